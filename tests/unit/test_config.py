@@ -1,0 +1,91 @@
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from empo2.config import CONF_DIR, GROUPS, ConfigError, TrainConfig, load_config, validate
+
+YAML_FILES = sorted(p.relative_to(CONF_DIR) for p in CONF_DIR.rglob("*.yaml") if p.name != "train.yaml")
+
+
+def test_defaults_compose_and_match_paper_values():
+    cfg = load_config([])
+    assert isinstance(cfg, TrainConfig)
+    assert (cfg.algo.p, cfg.algo.q, cfg.algo.delta) == (0.25, 0.68, 0.01)
+    assert (cfg.algo.beta_start, cfg.algo.beta_end) == (0.8, 0.2)
+    assert (cfg.memory.top_k, cfg.memory.min_sim, cfg.memory.max_tip_words) == (10, 0.5, 100)
+    assert (cfg.rollout.group_size, cfg.rollout.temperature, cfg.rollout.val_temperature) == (8, 1.0, 0.4)
+
+
+@pytest.mark.parametrize("rel", YAML_FILES, ids=str)
+def test_every_group_option_composes_and_instantiates(rel):
+    group, option = rel.parts[0], rel.stem
+    overrides = [f"{group}={option}"]
+    if group == "model" and option != "tiny" and option != "smollm2":
+        overrides.append("model.path=/models/some-checkpoint")
+    cfg = load_config(overrides)
+    assert isinstance(getattr(cfg, group), type(getattr(TrainConfig(), group)))
+
+
+def test_every_field_is_documented():
+    for group in GROUPS:
+        for f in dataclasses.fields(getattr(TrainConfig(), group)):
+            assert len(f.metadata.get("help", "")) > 10, f"{group}.{f.name} has no documentation"
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("algo.p=1.5", "algo.p=1.5 is out of range: expected [0, 1]"),
+        ("algo.q=-0.1", "algo.q=-0.1 is out of range: expected [0, 1]"),
+        ("algo.delta=1.0", "algo.delta=1.0 is out of range: expected [0, 1)"),
+        ("algo.beta_start=-1", "algo.beta_start=-1.0 is out of range: expected [0, inf)"),
+        ("rollout.group_size=1", "rollout.group_size=1 is out of range: expected [2, inf)"),
+        ("memory.top_k=0", "memory.top_k=0 is out of range: expected [1, inf)"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 is out of range: expected (0, inf)"),
+        ("algo.mask_mode=word", "algo.mask_mode='word' is not allowed: expected one of ['token', 'sequence']"),
+        ("algo.p=abc", "algo.p"),
+        ("algo.foo=1", "algo.foo: unknown key"),
+        ("+algo.foo=1", "algo.foo: unknown key"),
+        ("+bar=1", "bar: unknown key"),
+    ],
+)
+def test_bad_values_raise_one_line_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config([override])
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_cross_field_rule_micro_batch_fits_mini_batch():
+    cfg = TrainConfig()
+    cfg.trainer.micro_batch_size = cfg.trainer.mini_batch_size + 1
+    with pytest.raises(ConfigError, match="trainer.micro_batch_size"):
+        validate(cfg)
+
+
+def test_nan_is_rejected():
+    cfg = TrainConfig()
+    cfg.algo.beta_end = float("nan")
+    with pytest.raises(ConfigError, match="algo.beta_end=nan"):
+        validate(cfg)
+
+
+def test_cli_exits_2_with_one_line_before_any_work(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "train", "algo.p=1.5", f"run_root={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "algo.p" in lines[0] and "[0, 1]" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any(Path(tmp_path).iterdir())  # no run folder was created
+
+
+def test_cli_help_lists_subcommands():
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for name in ("train", "eval", "adapt", "grid", "sweep", "compare", "models"):
+        assert name in proc.stdout
