@@ -1,0 +1,568 @@
+"""Checks of the EMPO² algorithm math: hand-computed cases, invariances, loop references, gradients."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from empo2 import core_algos as ca
+
+EPS = 1e-6
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# loop references (deliberately naive: one Python loop per sample / token)
+# ----------------------------------------------------------------------------------------------
+
+
+def ref_group_advantages(returns, group_ids, normalize_std=True, eps=EPS):
+    returns, group_ids = returns.tolist(), group_ids.tolist()
+    out = []
+    for r, g in zip(returns, group_ids):
+        members = [x for x, h in zip(returns, group_ids) if h == g]
+        if len(members) < 2 or max(members) == min(members):
+            out.append(0.0)
+            continue
+        adv = r - statistics.fmean(members)
+        out.append(adv / (statistics.stdev(members) + eps) if normalize_std else adv)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def ref_policy_loss(lp, old, adv, mask, clip_low, clip_high, dual_c, agg):
+    per_seq = []  # list of kept per-token losses per sample
+    for b in range(lp.shape[0]):
+        seq = []
+        for t in range(lp.shape[1]):
+            if not mask[b, t]:
+                continue
+            a = float(adv[b]) if adv.dim() == 1 else float(adv[b, t])
+            ratio = math.exp(min(max(float(lp[b, t]) - float(old[b, t]), -20.0), 20.0))
+            loss = max(-a * ratio, -a * min(max(ratio, 1 - clip_low), 1 + clip_high))
+            if dual_c is not None and a < 0:
+                loss = min(loss, -a * dual_c)
+            seq.append(loss)
+        per_seq.append(seq)
+    nonempty = [s for s in per_seq if s]
+    if agg == "token-mean":
+        n = sum(len(s) for s in per_seq)
+        return sum(sum(s) for s in per_seq) / n if n else 0.0
+    if agg == "seq-mean-token-mean":
+        return sum(sum(s) / len(s) for s in nonempty) / len(nonempty) if nonempty else 0.0
+    return sum(sum(s) for s in nonempty) / len(nonempty) if nonempty else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# group_advantages
+# ----------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_two_groups_by_hand():
+    # groups are interleaved and have non-contiguous ids 5 and 7
+    returns = torch.tensor([1.0, 10.0, 2.0, 14.0, 3.0])
+    ids = torch.tensor([5, 7, 5, 7, 5])
+    # group 5: [1, 2, 3], mean 2, unbiased var (1 + 0 + 1) / 2 = 1, std 1 -> [-1, 0, 1] / (1 + eps)
+    # group 7: [10, 14], mean 12, unbiased var (4 + 4) / 1 = 8, std 2.828427 -> [-2, 2] / 2.828427
+    s = 1.0 / (1.0 + EPS)
+    h = 2.0 / (math.sqrt(8.0) + EPS)  # 0.707107
+    expected = torch.tensor([-s, -h, 0.0, h, s])
+    torch.testing.assert_close(ca.group_advantages(returns, ids), expected, rtol=0, atol=1e-6)
+    # without std normalisation: plain deviations from the group mean
+    torch.testing.assert_close(
+        ca.group_advantages(returns, ids, normalize_std=False), torch.tensor([-1.0, -2.0, 0.0, 2.0, 1.0])
+    )
+
+
+def test_group_advantages_degenerate_groups_are_exactly_zero():
+    # a group of one (id -3), and a group of equal returns whose float64 mean is not exact:
+    # (0.1 + 0.1 + 0.1) / 3 = 0.10000000000000002, so a naive R_i - mean leaves -1.4e-17 / eps
+    returns = torch.tensor([4.0, 0.1, 0.1, 0.1, 1.0, 3.0], dtype=torch.float64)
+    ids = torch.tensor([-3, 2, 2, 2, 9, 9])
+    for normalize_std in (True, False):
+        adv = ca.group_advantages(returns, ids, normalize_std=normalize_std)
+        assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+        assert adv[4] < 0 < adv[5]
+    assert ca.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_group_advantages_matches_loop_reference(seed):
+    g = _gen(seed)
+    n = int(torch.randint(1, 13, (1,), generator=g))
+    returns = torch.randn(n, generator=g, dtype=torch.float64)
+    returns[: n // 3] = 1.5  # some ties, sometimes a whole tied group
+    ids = torch.randint(-2, 4, (n,), generator=g) * 11
+    for normalize_std in (True, False):
+        torch.testing.assert_close(
+            ca.group_advantages(returns, ids, normalize_std=normalize_std),
+            ref_group_advantages(returns, ids, normalize_std=normalize_std),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+
+
+def test_group_advantages_permutation_equivariant():
+    g = _gen(0)
+    returns = torch.randn(12, generator=g)
+    ids = torch.randint(0, 3, (12,), generator=g)
+    perm = torch.randperm(12, generator=g)
+    torch.testing.assert_close(
+        ca.group_advantages(returns[perm], ids[perm]), ca.group_advantages(returns, ids)[perm]
+    )
+
+
+def test_group_advantages_shift_and_scale_invariance():
+    g = _gen(1)
+    returns = torch.randn(9, generator=g, dtype=torch.float64)
+    ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    shift = torch.tensor([3.0, -7.0, 100.0], dtype=torch.float64)[ids]  # a different constant per group
+    base = ca.group_advantages(returns, ids)
+    torch.testing.assert_close(ca.group_advantages(returns + shift, ids), base)
+    torch.testing.assert_close(
+        ca.group_advantages(returns + shift, ids, normalize_std=False),
+        ca.group_advantages(returns, ids, False),
+    )
+    # scaling changes only the eps term: (a x) / (a s + eps) vs x / (s + eps)
+    torch.testing.assert_close(ca.group_advantages(5.0 * returns, ids), base, rtol=1e-5, atol=1e-5)
+    # without std normalisation the advantages scale with the returns
+    torch.testing.assert_close(
+        ca.group_advantages(5.0 * returns, ids, normalize_std=False),
+        5.0 * ca.group_advantages(returns, ids, False),
+    )
+
+
+def test_group_advantages_dtypes():
+    ids = torch.tensor([0, 0, 1, 1])
+    r = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    assert ca.group_advantages(r.bfloat16(), ids).dtype == torch.float32
+    assert ca.group_advantages(r.double(), ids).dtype == torch.float64
+    with pytest.raises(ValueError, match="integer"):
+        ca.group_advantages(r, ids.float())
+    with pytest.raises(ValueError, match="shape"):
+        ca.group_advantages(r, ids[:3])
+
+
+# ----------------------------------------------------------------------------------------------
+# intrinsic reward and return mixing
+# ----------------------------------------------------------------------------------------------
+
+
+def test_count_bonus_and_mix_returns_by_hand():
+    torch.testing.assert_close(ca.count_bonus(torch.tensor([1, 2, 4])), torch.tensor([1.0, 0.5, 0.25]))
+    assert ca.count_bonus(torch.tensor([0])).tolist() == [1.0]  # clamped: never inf
+    # R = R_ext + beta * sum r_int: 1 + 0.5 * 2 = 2, 0 + 0.5 * 0.5 = 0.25
+    mixed = ca.mix_returns(torch.tensor([1.0, 0.0]), torch.tensor([2.0, 0.5]), beta=0.5)
+    torch.testing.assert_close(mixed, torch.tensor([2.0, 0.25]))
+    with pytest.raises(ValueError, match="beta"):
+        ca.mix_returns(torch.zeros(2), torch.zeros(2), beta=-0.1)
+
+
+def test_intrinsic_reward_reaches_the_advantage():
+    ext = torch.tensor([1.0, 1.0, 1.0, 1.0])  # one group, all successes: no extrinsic signal
+    ids = torch.zeros(4, dtype=torch.long)
+    counts = torch.tensor([[1, 1, 1], [1, 2, 4], [3, 3, 3], [1, 1, 2]])  # (R, S) visit counts
+    isum = ca.count_bonus(counts).sum(dim=-1)  # [3, 1.75, 1, 2.5]
+    # beta = 0: exactly the extrinsic-only advantages (all zero here)
+    assert torch.equal(
+        ca.group_advantages(ca.mix_returns(ext, isum, 0.0), ids), ca.group_advantages(ext, ids)
+    )
+    # beta > 0: novelty differences must show up in the advantages, most novel trajectory first
+    adv = ca.group_advantages(ca.mix_returns(ext, isum, 0.5), ids)
+    assert not torch.equal(adv, ca.group_advantages(ext, ids))
+    assert adv.argsort().tolist() == [2, 1, 3, 0]
+
+
+def test_beta_schedule():
+    assert ca.beta_at(0, 100, 0.8, 0.2) == pytest.approx(0.8)
+    assert ca.beta_at(50, 100, 0.8, 0.2) == pytest.approx(0.5)  # 0.8 + (0.2 - 0.8) * 0.5
+    assert ca.beta_at(100, 100, 0.8, 0.2) == pytest.approx(0.2)
+    assert ca.beta_at(500, 100, 0.8, 0.2) == pytest.approx(0.2)  # stays at the end value
+    assert ca.beta_at(3, 0, 0.8, 0.2) == pytest.approx(0.2)  # no horizon: already finished
+    assert ca.beta_at(50, 100, 0.8, 0.2, schedule="constant") == 0.8
+    with pytest.raises(ValueError, match="schedule"):
+        ca.beta_at(0, 10, 0.8, 0.2, schedule="cosine")
+    with pytest.raises(ValueError, match="step"):
+        ca.beta_at(-1, 10, 0.8, 0.2)
+
+
+# ----------------------------------------------------------------------------------------------
+# hybrid rollout / update modes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_memory_modes_extremes_and_frequency():
+    assert not ca.draw_memory_modes(50, 20, 0.0, "step", _gen(0)).any()
+    assert ca.draw_memory_modes(50, 20, 1.0, "step", _gen(0)).all()
+    modes = ca.draw_memory_modes(200, 50, 0.3, "step", _gen(0))
+    assert modes.shape == (200, 50) and modes.dtype == torch.bool
+    assert abs(modes.float().mean().item() - 0.3) < 0.03  # 10k draws: std ~0.005
+
+
+def test_memory_modes_granularity_and_reproducibility():
+    episode = ca.draw_memory_modes(64, 5, 0.5, "episode", _gen(1))
+    assert (episode == episode[:, :1]).all()  # constant along steps
+    assert episode[:, 0].any() and not episode[:, 0].all()  # but differs between trajectories
+    step = ca.draw_memory_modes(64, 5, 0.5, "step", _gen(1))
+    assert not (step == step[:, :1]).all()
+    batches = [ca.draw_memory_modes(4, 3, 0.5, "batch", _gen(s)) for s in range(20)]
+    assert all(b.all() or not b.any() for b in batches)  # one draw for everything
+    assert {bool(b.all()) for b in batches} == {True, False}
+    assert torch.equal(
+        ca.draw_memory_modes(8, 4, 0.5, "step", _gen(7)), ca.draw_memory_modes(8, 4, 0.5, "step", _gen(7))
+    )
+
+
+def test_update_modes_respect_memory_mask_and_q():
+    memory = ca.draw_memory_modes(64, 6, 0.5, "step", _gen(2))
+    for gran in ca.GRANULARITIES:
+        assert not ca.draw_update_modes(memory, 0.0, gran, _gen(3)).any()  # q=0: never off-policy
+        assert torch.equal(ca.draw_update_modes(memory, 1.0, gran, _gen(3)), memory)
+        off = ca.draw_update_modes(memory, 0.5, gran, _gen(3))
+        assert not (off & ~memory).any()  # off-policy only for memory-augmented samples
+    # episode granularity: every memory step of a trajectory shares its draw
+    full = torch.ones(64, 6, dtype=torch.bool)
+    off = ca.draw_update_modes(full, 0.5, "episode", _gen(4))
+    assert (off == off[:, :1]).all() and off.any() and not off.all()
+    batch = ca.draw_update_modes(memory, 0.5, "batch", _gen(5))
+    assert torch.equal(batch, memory) or not batch.any()
+    # p = 0 never yields a memory mode, hence never an off-policy sample
+    none = ca.draw_memory_modes(10, 4, 0.0, "episode", _gen(6))
+    assert not ca.draw_update_modes(none, 1.0, "episode", _gen(6)).any()
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ca.draw_memory_modes(2, 2, 1.5, "step", _gen(0)), "p must"),
+        (lambda: ca.draw_memory_modes(2, 2, -0.1, "step", _gen(0)), "p must"),
+        (lambda: ca.draw_memory_modes(2, 2, 0.5, "turn", _gen(0)), "granularity"),
+        (lambda: ca.draw_update_modes(torch.ones(2, 2, dtype=torch.bool), 2.0, "step", _gen(0)), "q must"),
+        (lambda: ca.draw_update_modes(torch.ones(2, 2), 0.5, "step", _gen(0)), "bool"),
+    ],
+)
+def test_mode_draw_validation(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------
+# masks
+# ----------------------------------------------------------------------------------------------
+
+
+def test_low_prob_mask_by_hand():
+    # delta = 0.01 -> log(delta) = -4.60517; -4.6 passes (p = 0.01005), -5 fails (p = 0.0067)
+    nan = float("nan")
+    lp = torch.tensor([[-1.0, -5.0, -0.1, nan], [-0.5, -4.6, -100.0, -100.0]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    token = ca.low_prob_mask(lp, valid, 0.01, mode="token")
+    assert token.tolist() == [[True, False, True, False], [True, True, False, False]]
+    seq = ca.low_prob_mask(lp, valid, 0.01, mode="sequence")  # padding values (-100, nan) are ignored
+    assert seq.tolist() == [[False] * 4, [True, True, False, False]]
+    # delta = 0 keeps every valid token, even impossible ones
+    lp[0, 1] = -math.inf
+    for mode in ("token", "sequence"):
+        assert torch.equal(ca.low_prob_mask(lp, valid, 0.0, mode=mode), valid.bool())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_low_prob_mask_matches_loop_reference(seed):
+    g = _gen(seed)
+    b, t = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+    lp = -torch.rand(b, t, generator=g) * 6
+    valid = torch.rand(b, t, generator=g) < 0.7
+    delta = 0.05
+    for mode in ("token", "sequence"):
+        got = ca.low_prob_mask(lp, valid, delta, mode=mode)
+        for i in range(b):
+            seq_ok = all(math.exp(lp[i, j]) >= delta for j in range(t) if valid[i, j])
+            for j in range(t):
+                ok = math.exp(lp[i, j]) >= delta if mode == "token" else seq_ok
+                assert bool(got[i, j]) == (bool(valid[i, j]) and ok)
+
+
+def test_low_prob_mask_validation():
+    lp, valid = torch.zeros(1, 2), torch.ones(1, 2)
+    for delta in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="delta"):
+            ca.low_prob_mask(lp, valid, delta)
+    with pytest.raises(ValueError, match="mode"):
+        ca.low_prob_mask(lp, valid, 0.1, mode="word")
+
+
+def test_empo2_loss_mask_scopes():
+    valid = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    lp = torch.tensor([[-9.0, -0.1, -9.0], [-9.0, -0.1, -0.1], [-0.1, -0.1, -0.1]])  # -9: p < 0.01
+    offpolicy = torch.tensor([True, False, True])
+    mask = ca.empo2_loss_mask(valid, lp, offpolicy, delta=0.01)
+    # off-policy row 0 loses its low-prob token; on-policy row 1 keeps it (paper default)
+    assert mask.tolist() == [[False, True, False], [True, True, True], [True, True, True]]
+    mask_all = ca.empo2_loss_mask(valid, lp, offpolicy, delta=0.01, scope="all")
+    assert mask_all.tolist() == [[False, True, False], [False, True, True], [True, True, True]]
+    mask_seq = ca.empo2_loss_mask(valid, lp, offpolicy, delta=0.01, mode="sequence")
+    assert mask_seq.tolist() == [[False, False, False], [True, True, True], [True, True, True]]
+    with pytest.raises(ValueError, match="scope"):
+        ca.empo2_loss_mask(valid, lp, offpolicy, delta=0.01, scope="onpolicy")
+    with pytest.raises(ValueError, match="offpolicy"):
+        ca.empo2_loss_mask(valid, lp, offpolicy[:2], delta=0.01)
+
+
+# ----------------------------------------------------------------------------------------------
+# policy loss
+# ----------------------------------------------------------------------------------------------
+
+
+def _hand_case():
+    # old log-probs 0, so ratio = exp(logprobs); token (0, 2) is a valid token removed by the loss mask
+    ratios = torch.tensor([[1.1, 1.5, math.exp(-30.0)], [0.5, 20.0, 1.0]])
+    lp = ratios.log().requires_grad_()
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -1.0])
+    loss_mask = torch.tensor([[True, True, False], [True, True, True]])
+    return lp, old, adv, loss_mask
+
+
+def test_policy_loss_by_hand():
+    lp, old, adv, loss_mask = _hand_case()
+    loss, m = ca.policy_loss(lp, old, adv, loss_mask, response_mask=torch.ones(2, 3, dtype=torch.bool))
+    # A = +1:  ratio 1.1 in [0.8, 1.3]          -> l = -1.1
+    #          ratio 1.5 > 1.3: max(-1.5, -1.3)  -> l = -1.3   (clipped)
+    # A = -1:  ratio 0.5 < 0.8: max(0.5, 0.8)    -> l =  0.8   (clipped)
+    #          ratio 20: max(20, 1.3) = 20, min(20, 10) -> l = 10 (dual clip)
+    #          ratio 1.0                         -> l =  1.0
+    # token-mean over 5 kept tokens: (-1.1 - 1.3 + 0.8 + 10 + 1) / 5 = 9.4 / 5 = 1.88
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(1.88, abs=1e-6)
+    assert m["clip_frac"] == pytest.approx(2 / 5)
+    assert m["dual_clip_frac"] == pytest.approx(1 / 5)
+    assert m["ratio_mean"] == pytest.approx((1.1 + 1.5 + 0.5 + 20 + 1) / 5, rel=1e-6)  # 4.82
+    # k3 = r - 1 - log r: 0.0046898 + 0.0945349 + 0.1931472 + 16.0042677 + 0 = 16.2966396 -> / 5
+    assert m["approx_kl"] == pytest.approx(16.2966396 / 5, rel=1e-5)
+    assert m["masked_frac"] == pytest.approx(1 / 6)  # 1 of 6 valid response tokens removed
+    loss.backward()
+    # d l / d logprob = -A * ratio on unclipped tokens, 0 where clipped, dual-clipped or masked; / 5 tokens
+    expected_grad = torch.tensor([[-1.1 / 5, 0.0, 0.0], [0.0, 0.0, 1.0 / 5]])
+    torch.testing.assert_close(lp.grad, expected_grad)
+    assert lp.grad[0, 2].item() == 0.0 and lp.grad[0, 1].item() == 0.0 and lp.grad[1, 1].item() == 0.0
+
+
+def test_policy_loss_aggregation_and_dual_clip_switch_by_hand():
+    lp, old, adv, loss_mask = _hand_case()
+    # per sequence: seq 0 kept losses [-1.1, -1.3], seq 1 kept losses [0.8, 10, 1]
+    loss, _ = ca.policy_loss(lp, old, adv, loss_mask, agg="seq-mean-token-mean")
+    assert loss.item() == pytest.approx((-2.4 / 2 + 11.8 / 3) / 2, abs=1e-6)  # (-1.2 + 3.9333) / 2 = 1.3667
+    loss, _ = ca.policy_loss(lp, old, adv, loss_mask, agg="seq-mean-token-sum")
+    assert loss.item() == pytest.approx((-2.4 + 11.8) / 2, abs=1e-6)  # 4.7
+    # dual clip off: the ratio-20 token keeps l = 20 -> (9.4 - 10 + 20) / 5 = 3.88
+    loss, m = ca.policy_loss(lp, old, adv, loss_mask, dual_clip_c=None)
+    assert loss.item() == pytest.approx(3.88, abs=1e-5)
+    assert m["dual_clip_frac"] == 0.0
+    assert ca.policy_loss(lp, old, adv, loss_mask)[1]["masked_frac"] == 0.0  # no response_mask given
+
+
+def test_policy_loss_asymmetric_clip():
+    lp = torch.tensor([[math.log(1.25)]])
+    one = torch.ones(1, 1, dtype=torch.bool)
+    # A = 1, ratio 1.25: inside [0.8, 1.3] -> -1.25; with a symmetric 0.2 clip -> max(-1.25, -1.2) = -1.2
+    assert ca.policy_loss(lp, torch.zeros(1, 1), torch.ones(1), one)[0].item() == pytest.approx(-1.25)
+    assert ca.policy_loss(lp, torch.zeros(1, 1), torch.ones(1), one, clip_high=0.2)[
+        0
+    ].item() == pytest.approx(-1.2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("agg", ca.AGG_MODES)
+def test_policy_loss_matches_loop_reference(seed, agg):
+    g = _gen(seed)
+    b, t = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+    lp = torch.randn(b, t, generator=g) * 0.6 - 1.0
+    old = torch.randn(b, t, generator=g) * 0.6 - 1.0
+    adv = torch.randn(b, generator=g) if seed % 2 else torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.6
+    dual_c = None if seed == 3 else 3.0  # small constant so the dual clip actually binds
+    clip_low, clip_high = 0.1, 0.25
+    loss, _ = ca.policy_loss(lp, old, adv, mask, clip_low, clip_high, dual_c, agg)
+    expected = ref_policy_loss(lp, old, adv, mask, clip_low, clip_high, dual_c, agg)
+    torch.testing.assert_close(
+        loss.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("agg", ca.AGG_MODES)
+def test_policy_loss_ignores_values_at_masked_positions(agg):
+    g = _gen(0)
+    lp0, old0, adv0 = (
+        torch.randn(3, 4, generator=g),
+        torch.randn(3, 4, generator=g),
+        torch.randn(3, 4, generator=g),
+    )
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    nan, inf = float("nan"), float("inf")
+    # in-range log-ratios (3 - -1 = 4) next to NaN advantages, and non-finite log-probs
+    garbage_lp = torch.tensor([[0, 0, 3.0, 3.0], [0, 3.0, 0, nan], [inf, -inf, 1e30, 3.0]])
+    garbage_old = torch.tensor([[0, 0, -1.0, -1.0], [0, -1.0, 0, 0], [-inf, 0, 0, nan]])
+    garbage_adv = torch.tensor([[0, 0, nan, -inf], [0, inf, 0, nan], [nan, 1e30, nan, nan]])
+
+    def run(lp_vals, old_vals, adv_vals):
+        lp = lp_vals.clone().requires_grad_()
+        loss, metrics = ca.policy_loss(lp, old_vals, adv_vals, mask, agg=agg)
+        loss.backward()
+        return loss, lp.grad, metrics
+
+    clean = run(lp0, old0, adv0)
+    dirty = run(
+        torch.where(mask, lp0, garbage_lp),
+        torch.where(mask, old0, garbage_old),
+        torch.where(mask, adv0, garbage_adv),
+    )
+    assert torch.equal(clean[0], dirty[0])
+    assert torch.equal(clean[1], dirty[1])
+    assert clean[2] == dirty[2]
+    assert (clean[1][~mask] == 0).all() and (clean[1][mask] != 0).any()
+
+
+def test_policy_loss_all_masked_is_zero_with_zero_grad():
+    lp = torch.randn(2, 3).requires_grad_()
+    for agg in ca.AGG_MODES:
+        loss, metrics = ca.policy_loss(
+            lp,
+            torch.randn(2, 3),
+            torch.randn(2),
+            torch.zeros(2, 3, dtype=torch.bool),
+            agg=agg,
+            response_mask=torch.zeros(2, 3),
+        )
+        assert loss.item() == 0.0
+        loss.backward()
+        assert torch.equal(lp.grad, torch.zeros(2, 3))
+        assert all(v == 0.0 for v in metrics.values())
+        lp.grad = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_policy_loss_huge_log_ratios_stay_finite(dtype):
+    # log-ratios of +-1e4 and +inf (an impossible behaviour token) hit the clamp at +-20
+    lp = torch.tensor([[0.0, -1e4, 0.0], [0.0, -1e4, 0.0]], dtype=dtype).requires_grad_()
+    old = torch.tensor([[-1e4, 0.0, -math.inf], [-1e4, 0.0, -math.inf]], dtype=dtype)
+    adv = torch.tensor([1.0, -1.0], dtype=dtype)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    for dual_c in (10.0, None):
+        loss, metrics = ca.policy_loss(lp, old, adv, mask, dual_clip_c=dual_c)
+        assert loss.dtype == torch.float32 and torch.isfinite(loss)
+        assert all(math.isfinite(v) for v in metrics.values())
+        loss.backward()
+        assert torch.isfinite(lp.grad).all()
+        assert torch.equal(lp.grad, torch.zeros_like(lp.grad))  # clamped log-ratios pass no gradient
+        lp.grad = None
+
+
+def test_policy_loss_bfloat16_is_upcast():
+    g = _gen(3)
+    lp16 = (torch.randn(3, 5, generator=g) * 0.3 - 1).bfloat16().requires_grad_()
+    old16 = (torch.randn(3, 5, generator=g) * 0.3 - 1).bfloat16()
+    adv16 = torch.randn(3, generator=g).bfloat16()
+    mask = torch.rand(3, 5, generator=g) < 0.8
+    loss16, m16 = ca.policy_loss(lp16, old16, adv16, mask)
+    lp32 = lp16.detach().float().requires_grad_()
+    loss32, m32 = ca.policy_loss(lp32, old16.float(), adv16.float(), mask)
+    assert loss16.dtype == torch.float32
+    assert torch.equal(loss16, loss32)  # bf16 -> f32 is exact, so the float32 math is identical
+    assert m16 == m32
+    loss16.backward()
+    loss32.backward()
+    assert lp16.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lp16.grad.float(), lp32.grad.bfloat16().float())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_high": -0.1}, "clip_high"),
+        ({"dual_clip_c": 1.0}, "dual_clip_c"),
+        ({"agg": "sum"}, "aggregation"),
+        ({"advantages": torch.zeros(3)}, "advantages"),
+        ({"loss_mask": torch.ones(2, 2)}, "shape"),
+    ],
+)
+def test_policy_loss_validation(kwargs, match):
+    args = {
+        "logprobs": torch.zeros(2, 3),
+        "old_logprobs": torch.zeros(2, 3),
+        "advantages": torch.zeros(2),
+        "loss_mask": torch.ones(2, 3),
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        ca.policy_loss(**args)
+
+
+def test_agg_loss_modes_by_hand():
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 0.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    # kept: row 0 [1, 2, 3], row 1 [4], row 2 nothing (excluded from the sequence means)
+    assert ca.agg_loss(loss_mat, mask, "token-mean").item() == pytest.approx(10 / 4)  # 2.5
+    assert ca.agg_loss(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)  # 3
+    assert ca.agg_loss(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)  # 5
+    with pytest.raises(ValueError, match="aggregation"):
+        ca.agg_loss(loss_mat, mask, "mean")
+
+
+def test_policy_loss_registry():
+    assert ca.get_policy_loss("empo2") is ca.policy_loss
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        ca.get_policy_loss("nope")
+
+    @ca.register_policy_loss("_test_vanilla")
+    def vanilla(*args, **kwargs):
+        return ca.policy_loss(*args, dual_clip_c=None, **kwargs)
+
+    try:
+        assert ca.get_policy_loss("_test_vanilla") is vanilla
+        with pytest.raises(ValueError, match="already registered"):
+            ca.register_policy_loss("_test_vanilla")(vanilla)
+    finally:
+        del ca.POLICY_LOSSES["_test_vanilla"]
+
+
+# ----------------------------------------------------------------------------------------------
+# optional terms
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kl_penalty_by_hand():
+    lp = torch.tensor([[math.log(0.5), -1e4]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), 0.0]])
+    # k1 = log 0.5 - log 0.25 = log 2 = 0.693147
+    assert ca.kl_penalty(lp, ref, "k1")[0, 0].item() == pytest.approx(math.log(2), rel=1e-6)
+    # k3: d = ref - lp = -log 2 -> exp(d) - d - 1 = 0.5 + 0.693147 - 1 = 0.193147
+    k3 = ca.kl_penalty(lp, ref, "k3")
+    assert k3[0, 0].item() == pytest.approx(0.5 + math.log(2) - 1, rel=1e-6)
+    # d = 1e4 is clamped to 20: exp(20) - 21, finite
+    assert k3[0, 1].item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+    k3.sum().backward()
+    assert torch.isfinite(lp.grad).all()
+    g = _gen(0)
+    assert (ca.kl_penalty(torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="KL"):
+        ca.kl_penalty(lp, ref, "k2")
+
+
+def test_entropy_from_logits():
+    torch.testing.assert_close(ca.entropy_from_logits(torch.zeros(1, 2, 5)), torch.full((1, 2), math.log(5)))
+    # huge logits: a naive softmax/log would overflow; entropy of a near one-hot is ~0
+    peaked = torch.tensor([[[1e4, 0.0, -1e4]]], dtype=torch.bfloat16, requires_grad=True)
+    h = ca.entropy_from_logits(peaked)
+    assert h.dtype == torch.float32 and h.item() == pytest.approx(0.0, abs=1e-6)
+    h.sum().backward()
+    assert torch.isfinite(peaked.grad).all()
+    logits = torch.randn(3, 4, 7, generator=_gen(1))
+    torch.testing.assert_close(
+        ca.entropy_from_logits(logits), torch.distributions.Categorical(logits=logits).entropy()
+    )
