@@ -1,0 +1,27 @@
+"""Tip memory: policy-written tips, their embeddings, retrieval, and the prompt block that carries them."""
+
+from .embedder import Embedder
+from .records import TipRecord
+from .tip_memory import TipMemory
+from .tips import (
+    TIP_HEADER,
+    episode_entries,
+    format_tip_block,
+    sanitize_tip,
+    step_entry_text,
+    strip_tip_block,
+    tip_request_message,
+)
+
+__all__ = [
+    "TIP_HEADER",
+    "Embedder",
+    "TipMemory",
+    "TipRecord",
+    "episode_entries",
+    "format_tip_block",
+    "sanitize_tip",
+    "step_entry_text",
+    "strip_tip_block",
+    "tip_request_message",
+]
