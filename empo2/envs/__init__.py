@@ -21,3 +21,4 @@ __all__ = [
     "register_env",
     "registered_envs",
 ]
+import empo2.envs.minisci  # noqa: E402,F401  registers "minisci"
