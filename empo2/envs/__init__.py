@@ -1,5 +1,10 @@
-"""Text environments behind one surface: `make_env(name, **kwargs)`."""
+"""Text environments behind one surface: `make_env(name, **kwargs)`.
 
+Importing the environment modules registers them; heavy dependencies (the ScienceWorld JVM,
+TextWorld) are imported only when an environment is built.
+"""
+
+from empo2.envs import minisci, scienceworld  # noqa: F401  (register "minisci" and "scienceworld")
 from empo2.envs.base import (
     Catalogue,
     StepResult,
@@ -21,4 +26,3 @@ __all__ = [
     "register_env",
     "registered_envs",
 ]
-import empo2.envs.minisci  # noqa: E402,F401  registers "minisci"
