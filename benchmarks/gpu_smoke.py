@@ -1,0 +1,212 @@
+"""GPU smoke test of the generation engines: one call on a CUDA machine with vllm installed.
+
+    python benchmarks/gpu_smoke.py                        # bundled SmolLM2 (converted cache)
+    python benchmarks/gpu_smoke.py --model-path ~/models/Qwen2.5-0.5B-Instruct --enforce-eager
+
+Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
+  hf_cuda          HFEngine on the GPU: responses within max_new_tokens, stop token kept, seeds reproducible
+  vllm_start       VLLMEngine comes up colocated with the HF policy (sleep mode on)
+  vllm_greedy      greedy responses obey the stop rules; first tokens agree with HFEngine's
+  vllm_seeds       same seed, same samples; another seed, other samples
+  sleep_update     sleep, update_weights with perturbed weights: responses change and agree with the
+                   perturbed HF model (the weights landed under the right names)
+  restore          update_weights with the original weights gives the original responses back
+  lora_merge       a LoRA-wrapped policy (random adapters) synced through full_named_tensors agrees
+                   with peft's own merge_and_unload
+  throughput       vLLM and HFEngine tokens/s on one batch (reported, not checked)
+Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+RESULTS: list[dict] = []
+AGREEMENT = 0.75  # bf16 kernels differ between engines; near-ties may flip a few first tokens
+
+
+def check(name: str):
+    """Runs the decorated check at once, recording PASS (it returned details) or FAIL (it raised)."""
+    def run(fn):
+        start = time.perf_counter()
+        try:
+            details, status = fn() or {}, "PASS"
+        except Exception as e:  # a failed check must not stop the others
+            status, details = "FAIL", {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+        RESULTS.append({"check": name, "status": status, "seconds": round(time.perf_counter() - start, 2), **details})
+        print(f"[{status}] {name} ({RESULTS[-1]['seconds']} s) " + json.dumps(
+            {k: v for k, v in details.items() if k != "trace"})[:400], flush=True)
+        return fn
+    return run
+
+
+def first_token_agreement(a, b) -> float:
+    return sum(x.token_ids[:1] == y.token_ids[:1] for x, y in zip(a, b)) / len(a)
+
+
+def exact_agreement(a, b) -> float:
+    return sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / len(a)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None, help="HF checkpoint directory (default: bundled SmolLM2 cache)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's CUDA graphs (faster start)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_smoke.json"))
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from empo2.config import ModelConfig
+    from empo2.models import apply_lora, ensure_smollm2
+    from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
+    from empo2.rollout.prompts import PromptBuilder
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    path = str(Path(args.model_path).expanduser() if args.model_path else ensure_smollm2())
+    dtype = getattr(torch, args.dtype)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    original = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    builder = PromptBuilder(tok)
+    rooms = ["the kitchen", "the hallway", "the greenhouse", "outside", "the workshop", "the bathroom"]
+    prompts = []
+    for i in range(16):
+        turns = [(f"You are in {rooms[(i + t) % 6]}.", f"go to {rooms[(i + t + 1) % 6]}") for t in range(i % 4)]
+        prompts.append(builder.build("Your task is to find an animal and focus on it.", turns,
+                                     f"This room is called {rooms[i % 6]}. You see a door and a table.").ids)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=24)
+    hf = HFEngine(policy, tok)
+    state: dict = {}
+    print(f"model {path}, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+
+    def assert_stop_rules(gens, params, stops):
+        for g in gens:
+            assert 0 < len(g.token_ids) <= params.max_new_tokens, g
+            assert g.finished == (g.token_ids[-1] in stops), g
+            assert not any(t in stops for t in g.token_ids[:-1]), g  # nothing after the first stop
+            assert "\n" not in g.text, g
+
+    @check("hf_cuda")
+    def _():
+        gens = hf.generate(prompts, greedy)
+        assert_stop_rules(gens, greedy, hf.stops.stop_ids(True))
+        assert hf.generate(prompts, sampled, seed=1) == hf.generate(prompts, sampled, seed=1)
+        state["hf_greedy"] = gens
+        return {"finished": sum(g.finished for g in gens), "example": gens[0].text}
+
+    @check("vllm_start")
+    def _():
+        state["engine"] = VLLMEngine(path, tok, gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=True,
+                                     dtype=args.dtype, llm_kwargs={"enforce_eager": args.enforce_eager})
+        import vllm
+        return {"vllm": vllm.__version__}
+
+    engine = state.get("engine")
+    if engine is None:
+        for name in ("vllm_greedy", "vllm_seeds", "sleep_update", "restore", "lora_merge", "throughput"):
+            RESULTS.append({"check": name, "status": "SKIP", "reason": "vLLM engine did not start"})
+            print(f"[SKIP] {name}")
+        return report(args.out)
+
+    @check("vllm_greedy")
+    def _():
+        gens = engine.generate(prompts, greedy)
+        assert_stop_rules(gens, greedy, engine.stops.stop_ids(True))
+        state["g0"] = gens
+        agree = first_token_agreement(gens, state["hf_greedy"]) if "hf_greedy" in state else None
+        assert agree is None or agree >= AGREEMENT, f"first-token agreement with HF {agree}"
+        return {"first_token_agreement_with_hf": agree, "exact_agreement_with_hf":
+                exact_agreement(gens, state["hf_greedy"]) if "hf_greedy" in state else None, "example": gens[0].text}
+
+    @check("vllm_seeds")
+    def _():
+        a = engine.generate(prompts, sampled, seed=11)
+        assert engine.generate(prompts, sampled, seed=11) == a, "same seed gave other samples"
+        assert engine.generate(prompts, sampled, seed=12) != a, "another seed gave the same samples"
+        assert_stop_rules(a, sampled, engine.stops.stop_ids(True))
+
+    @check("sleep_update")
+    def _():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if p.dim() == 2 and "embed" not in name:
+                    p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * p.float().std() * 0.5)
+        engine.sleep()
+        engine.update_weights(full_named_tensors(policy))
+        gens = engine.generate(prompts, greedy)
+        changed = 1 - exact_agreement(gens, state["g0"])
+        agree = first_token_agreement(gens, hf.generate(prompts, greedy))
+        assert changed > 0, "perturbed weights left every response unchanged"
+        assert agree >= AGREEMENT, f"vLLM disagrees with the perturbed HF model ({agree}): weights misplaced"
+        return {"changed_fraction": changed, "first_token_agreement_with_hf": agree}
+
+    @check("restore")
+    def _():
+        policy.load_state_dict(original)
+        engine.sleep()
+        engine.update_weights(full_named_tensors(policy))
+        same = exact_agreement(engine.generate(prompts, greedy), state["g0"])
+        assert same >= AGREEMENT, f"only {same} of the original responses came back"
+        return {"exact_agreement_with_original": same}
+
+    @check("lora_merge")
+    def _():
+        lora_policy = apply_lora(copy.deepcopy(policy), ModelConfig(lora_r=8, lora_alpha=16))
+        with torch.no_grad():
+            for name, p in lora_policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.02)
+        engine.update_weights(full_named_tensors(lora_policy))
+        gens = engine.generate(prompts, greedy)
+        merged = HFEngine(copy.deepcopy(lora_policy).merge_and_unload(), tok).generate(prompts, greedy)
+        agree = first_token_agreement(gens, merged)
+        assert agree >= AGREEMENT, f"vLLM disagrees with the merged LoRA model ({agree})"
+        engine.update_weights(full_named_tensors(policy))
+        return {"first_token_agreement_with_merged": agree, "changed_fraction": 1 - exact_agreement(gens, state["g0"])}
+
+    @check("throughput")
+    def _():
+        batch = (prompts * 8)[:128]
+        params = SamplingParams(temperature=1.0, max_new_tokens=32, stop_at_newline=False)
+        out = {}
+        for name, eng in (("vllm", engine), ("hf", hf)):
+            eng.generate(batch[:8], params, seed=0)
+            start = time.perf_counter()
+            n = sum(len(g.token_ids) for g in eng.generate(batch, params, seed=0))
+            out[f"{name}_tok_per_s"] = round(n / (time.perf_counter() - start), 1)
+        return out
+
+    return report(args.out)
+
+
+def report(path: str) -> int:
+    failed = [r["check"] for r in RESULTS if r["status"] == "FAIL"]
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"results": RESULTS, "failed": failed}, indent=2, default=str))
+    print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks without failure; report: {out}")
+    for r in RESULTS:
+        if r["status"] == "FAIL":
+            print(f"--- {r['check']}\n{r.get('trace', r.get('error'))}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

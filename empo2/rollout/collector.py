@@ -1,0 +1,266 @@
+"""Group rollouts with EMPO²'s memory modes, novelty bonus and self-written tips.
+
+One call of `RolloutCollector.collect` plays B task instances x N environments (one group per
+instance) to the end, in lock-step: every step does one batched retrieval for the memory-mode
+environments, one batched `generate` over all live environments, then one `step` per environment.
+When the episodes end the policy writes a tip for each of them in one batched call; the tips are
+sanitised, embedded and added to memory. Returns are mixed with the intrinsic reward, turned into
+group advantages and copied onto every step sample, all through `empo2.core_algos`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from empo2 import core_algos
+from empo2.envs import TaskSpec, TextEnv
+from empo2.memory import Embedder, TipMemory, episode_entries, sanitize_tip
+from empo2.rollout.engines import GenerationEngine, SamplingParams
+from empo2.rollout.prompts import PromptBuilder
+from empo2.rollout.types import RolloutBatch, StepSample, Trajectory
+
+
+class NoveltyCounter:
+    """Visit counts n(s) keyed by `env.state_key()`; they persist across iterations (and checkpoints),
+    so a state stays familiar once the agent has seen it, which is what makes 1/n(s) an exploration
+    bonus rather than per-episode noise."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def visit(self, key: str) -> int:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return self.counts[key]
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+
+
+@dataclass
+class CollectorSettings:
+    """The knobs of one collection; `empo2.config` documents each (`algo.*`, `rollout.*`, `memory.*`)."""
+
+    p: float = 0.25
+    q: float = 0.68
+    mode_granularity: str = "episode"
+    beta: float = 0.0  # the value for this iteration (the schedule is evaluated by the caller)
+    normalize_std: bool = True
+    adv_eps: float = 1e-6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    max_episode_steps: int = 100  # upper bound for the mode draws; environments end episodes themselves
+    top_k: int = 10
+    min_sim: float = 0.5
+    max_tip_words: int = 100
+    tip_max_new_tokens: int = 160
+    per_step_entries: bool = False
+    write_tips: bool = True
+
+
+class RolloutCollector:
+    def __init__(self, engine: GenerationEngine, builder: PromptBuilder, envs: list[TextEnv],
+                 memory: TipMemory | None, embedder: Embedder | None, settings: CollectorSettings,
+                 special_tokens: list[str] | None = None, rank: int = 0) -> None:
+        self.engine, self.builder, self.envs = engine, builder, envs
+        self.memory, self.embedder, self.settings = memory, embedder, settings
+        self.special_tokens = list(special_tokens or [])
+        self.rank = rank
+        self.novelty = NoveltyCounter()
+        # False under data parallelism: the caller all-gathers `RolloutBatch.new_tips` and merges them
+        self.add_tips = True
+
+    def collect(self, tasks: list[TaskSpec], group_size: int, iteration: int, generator: torch.Generator,
+                evaluate: bool = False, use_memory: bool | None = None) -> RolloutBatch:
+        """Play `group_size` rollouts of every task instance. `evaluate=True` samples at the given
+        temperature with memory on (`use_memory=True`) or off, writes no tips, counts no visits and
+        draws no update modes."""
+        s = self.settings
+        n_traj = len(tasks) * group_size
+        if n_traj > len(self.envs):
+            raise ValueError(f"{n_traj} rollouts need {n_traj} environments, the collector has {len(self.envs)}")
+        timing = dict.fromkeys(("generate", "env", "memory", "tips"), 0.0)
+        t_start = time.perf_counter()
+
+        # Which rollouts (and steps) carry tips, and which of those are updated off-policy.
+        has_memory = self.memory is not None and self.embedder is not None
+        if evaluate:
+            p = 1.0 if (use_memory and has_memory) else 0.0
+        else:
+            p = s.p if has_memory else 0.0
+        memory_mode = core_algos.draw_memory_modes(n_traj, s.max_episode_steps, p, s.mode_granularity,
+                                                   generator)  # (R, S) bool
+        offpolicy_mode = (torch.zeros_like(memory_mode) if evaluate else
+                          core_algos.draw_update_modes(memory_mode, s.q, s.mode_granularity, generator))  # (R, S)
+
+        trajs = [Trajectory(task=t.task, variation=t.variation, group_id=g, traj_id=g * group_size + j)
+                 for g, t in enumerate(tasks) for j in range(group_size)]
+        envs = self.envs[:n_traj]
+        obs: list[str] = []
+        histories: list[list[tuple[str, str]]] = [[] for _ in trajs]
+        t0 = time.perf_counter()
+        for env, traj in zip(envs, trajs):
+            o, _ = env.reset(task=traj.task, variation=traj.variation)
+            obs.append(o)
+        timing["env"] += time.perf_counter() - t0
+        live = list(range(n_traj))
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+        tokens_generated = 0
+
+        for t in range(s.max_episode_steps):
+            if not live:
+                break
+            # -- retrieval: one batched embedding + search for the memory-mode rollouts at this step
+            tips: dict[int, list[tuple[int, str]]] = {}
+            mem_live = [i for i in live if memory_mode[i, t]]
+            if mem_live:
+                t0 = time.perf_counter()
+                queries = self.embedder.encode([self._state_text(envs[i], obs[i]) for i in mem_live])
+                keys = [self.memory.namespace_key(trajs[i].task, trajs[i].variation) for i in mem_live]
+                hits = self.memory.search(queries, keys, k=s.top_k, min_sim=s.min_sim)
+                for i, found in zip(mem_live, hits):
+                    tips[i] = [(rec.id, rec.text) for rec, _ in found]
+                timing["memory"] += time.perf_counter() - t0
+
+            # -- one batched generate over every live environment
+            prompts = [self.builder.build(envs[i].task_description, histories[i], obs[i],
+                                          [text for _, text in tips.get(i, [])] or None) for i in live]
+            t0 = time.perf_counter()
+            gens = self.engine.generate([pr.ids for pr in prompts], params, seed=self._seed(generator))
+            timing["generate"] += time.perf_counter() - t0
+
+            # -- environment steps
+            t0 = time.perf_counter()
+            still_live = []
+            for i, prompt, gen in zip(live, prompts, gens):
+                traj = trajs[i]
+                tokens_generated += len(gen.token_ids)
+                offpolicy = bool(offpolicy_mode[i, t]) and prompt.tip_span is not None
+                traj.samples.append(StepSample(
+                    behaviour_ids=prompt.ids,
+                    train_ids=prompt.without_tips() if offpolicy else prompt.ids,
+                    response_ids=gen.token_ids, memory=prompt.tip_span is not None, offpolicy=offpolicy,
+                    group_id=traj.group_id, traj_id=traj.traj_id, step=t))
+                traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
+                res = envs[i].step(gen.text)
+                traj.ext_return += res.reward
+                traj.score, traj.won = float(res.info.get("score", 0.0)), bool(res.info.get("won", False))
+                traj.invalid_actions += int(bool(res.info.get("invalid_action", False)))
+                if res.info.get("env_error"):
+                    traj.env_error = str(res.info["env_error"])
+                if not evaluate:  # visit count n(s) of the state this action led to; 1/n(s) is taken below
+                    traj.intrinsic.append(self.novelty.visit(envs[i].state_key()))
+                histories[i].append((obs[i], res.info.get("parsed_action") or gen.text))
+                obs[i] = res.obs
+                if not res.done:
+                    still_live.append(i)
+            live = still_live
+            timing["env"] += time.perf_counter() - t0
+
+        new_tips, tips_added = None, 0
+        if not evaluate and s.write_tips and has_memory:
+            t0 = time.perf_counter()
+            new_tips = self._write_tips(trajs, envs, histories, obs, iteration, generator)
+            if self.add_tips and new_tips[0]:
+                tips_added = len(self.memory.add(*new_tips))
+            timing["tips"] += time.perf_counter() - t0
+
+        self._assign_advantages(trajs, evaluate)
+        if has_memory and not evaluate:
+            for traj in trajs:
+                if traj.tips_used:
+                    self.memory.update_utility(sorted(traj.tips_used), traj.ext_return)
+        samples = [smp for traj in trajs for smp in traj.samples]
+        stats = self._stats(trajs, samples, tips_added, tokens_generated, timing, time.perf_counter() - t_start)
+        return RolloutBatch(samples=samples, trajectories=trajs, stats=stats, new_tips=new_tips)
+
+    # ------------------------------------------------------------------------------------------ pieces
+    @staticmethod
+    def _state_text(env: TextEnv, observation: str) -> str:
+        """What retrieval compares: the task and the current observation (the released code keys
+        memories by the step's text)."""
+        return f"{env.task_description}\n{observation}"
+
+    @staticmethod
+    def _seed(generator: torch.Generator) -> int:
+        return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+    def _write_tips(self, trajs, envs, histories, obs, iteration: int, generator: torch.Generator):
+        """The policy writes one tip per finished episode, in one batched call; tips are sanitised (a
+        tip can never open a chat turn) and keyed by the embedding of the episode's final state (of
+        each step's state for per-step entries). Returns the memory entries (texts, keys, metas)."""
+        s = self.settings
+        requests = [self.builder.build_tip_request(envs[i].task_description, histories[i], obs[i], s.max_tip_words)
+                    for i in range(len(trajs))]
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=s.tip_max_new_tokens,
+                                stop_at_newline=False)
+        gens = self.engine.generate(requests, params, seed=self._seed(generator))
+        texts, keys, metas = [], [], []
+        for i, (traj, gen) in enumerate(zip(trajs, gens)):
+            tip = sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
+            traj.tip = tip
+            if tip is None:
+                continue
+            meta = {"task": traj.task, "variation": traj.variation, "episode_return": traj.ext_return,
+                    "iteration": iteration, "source_rank": self.rank}
+            actions = [a for _, a in histories[i]]
+            entry_texts, entry_metas = episode_entries(tip, meta, s.per_step_entries, actions, traj.score)
+            # per-step entries are keyed by their step's state, an episode entry by the final state
+            states = [histories[i][m["step"]][0] for m in entry_metas] if s.per_step_entries else [obs[i]]
+            texts += entry_texts
+            metas += entry_metas
+            keys += [self._state_text(envs[i], st) for st in states]
+        vectors = self.embedder.encode(keys) if keys else np.zeros((0, self.memory.dim), dtype=np.float32)
+        return texts, vectors, metas
+
+    def _assign_advantages(self, trajs: list[Trajectory], evaluate: bool) -> None:
+        s = self.settings
+        ext = torch.tensor([tr.ext_return for tr in trajs], dtype=torch.float64)  # (R,)
+        if evaluate:
+            rets = ext
+        else:
+            counts = [torch.tensor(tr.intrinsic, dtype=torch.float64) for tr in trajs]
+            bonuses = [core_algos.count_bonus(c) if len(c) else c for c in counts]  # r_int(s) = 1/n(s)
+            for tr, b in zip(trajs, bonuses):
+                tr.intrinsic = b.tolist()
+            intrinsic_sums = torch.stack([b.sum() for b in bonuses])  # (R,)
+            rets = core_algos.mix_returns(ext, intrinsic_sums, s.beta)
+        group_ids = torch.tensor([tr.group_id for tr in trajs], dtype=torch.long)
+        adv = core_algos.group_advantages(rets, group_ids, s.normalize_std, s.adv_eps)  # (R,)
+        for tr, r, a in zip(trajs, rets.tolist(), adv.tolist()):
+            tr.ret = r
+            for smp in tr.samples:
+                smp.advantage = a
+
+    def _stats(self, trajs, samples, tips_added, tokens, timing, wall) -> dict[str, float]:
+        n_t, n_s = max(len(trajs), 1), max(len(samples), 1)
+        intrinsic = [x for tr in trajs for x in tr.intrinsic]
+        stats = {
+            "rollout/return": sum(tr.ret for tr in trajs) / n_t,
+            "rollout/ext_return": sum(tr.ext_return for tr in trajs) / n_t,
+            "rollout/score": sum(tr.score for tr in trajs) / n_t,
+            "rollout/success": sum(tr.won for tr in trajs) / n_t,
+            "rollout/episode_len": len(samples) / n_t,
+            "rollout/invalid_action_frac": sum(tr.invalid_actions for tr in trajs) / n_s,
+            "rollout/memory_frac": sum(smp.memory for smp in samples) / n_s,
+            "rollout/offpolicy_frac": sum(smp.offpolicy for smp in samples) / n_s,
+            "rollout/env_errors": float(sum(tr.env_error is not None for tr in trajs)),
+            "rollout/tokens_generated": float(tokens),
+            "intrinsic/mean_reward": float(np.mean(intrinsic)) if intrinsic else 0.0,
+            "intrinsic/states_seen": float(len(self.novelty)),
+            "memory/tips_added": float(tips_added),
+            "memory/size": float(len(self.memory)) if self.memory is not None else 0.0,
+            "time/rollout_s": wall,
+        }
+        stats.update({f"time/{k}_s": v for k, v in timing.items()})
+        return stats

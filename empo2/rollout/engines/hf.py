@@ -1,0 +1,125 @@
+"""Generation with transformers' `generate` on the policy module itself.
+
+The engine holds no copy of the weights, so the responses always come from the current policy and
+`update_weights` has nothing to do. Works on a plain or a peft-wrapped causal LM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
+
+
+class _StopAtNewline(StoppingCriteria):
+    """Per-row stop once the last sampled id is newline-bearing: one table lookup per step, no decoding."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # (V,) bool
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return self.table[input_ids[:, -1]]  # (B,)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Seeds the CPU and `device` generators inside a forked RNG state, so the caller's stream is untouched."""
+    if seed is None:
+        yield
+        return
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            with torch.cuda.device(devices[0]):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+class HFEngine:
+    """Batched `model.generate` with left padding, in chunks of at most max_batch_size prompts.
+
+    Sampling is plain softmax(logits / temperature) with top-p: every other logits processor a
+    checkpoint's generation config may carry (top-k, repetition penalty, ...) is switched off, since
+    the trainer's log-probs assume exactly that distribution.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.stops = StopTokens(tokenizer, eos_ids(tokenizer, getattr(model, "generation_config", None)),
+                                getattr(model.config, "vocab_size", None))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stops.eos)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        device = next(self.model.parameters()).device
+        # Similar lengths share a chunk (less padding); the sort is stable, so the chunks, and with them
+        # the seeded samples, depend only on the prompts.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: list[Generation | None] = [None] * len(prompts)
+        modes = [(m, m.training) for m in self.model.modules()]  # restored per module, not by train(mode)
+        self.model.eval()
+        try:
+            with _seeded(seed, device), torch.inference_mode():
+                for start in range(0, len(order), self.max_batch_size):
+                    chunk = order[start:start + self.max_batch_size]
+                    rows = self._generate_chunk([prompts[i] for i in chunk], params, device)
+                    for i, row in zip(chunk, rows):
+                        results[i] = self.stops.finish(row, params)
+        finally:
+            for module, mode in modes:
+                module.training = mode
+        return results  # type: ignore[return-value]
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
+                        device: torch.device) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        padded = [[self.pad_id] * (width - len(p)) + list(p) for p in prompts]
+        mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+        input_ids = torch.tensor(padded, dtype=torch.long, device=device)  # (B, L) left-padded
+        attention_mask = torch.tensor(mask, dtype=torch.long, device=device)  # (B, L)
+        criteria = None
+        if params.stop_at_newline:
+            criteria = StoppingCriteriaList([_StopAtNewline(self.stops.newline_table(device))])
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                  generation_config=self._generation_config(params), stopping_criteria=criteria)
+        return out[:, width:].tolist()  # (B, T) with T <= max_new_tokens, pad after a row's stop
+
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        # Fields left None are filled from the checkpoint's generation config, so the neutral values are
+        # spelled out: a shipped top_k=20 or repetition_penalty=1.05 would silently change the policy.
+        neutral = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                       min_length=0, num_beams=1, renormalize_logits=False)
+        if params.temperature > 0:
+            neutral.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                           typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+        else:
+            neutral.update(do_sample=False)
+        # Set only when the checkpoint sets them: a neutral min_p still costs a softmax per step, and
+        # min_new_tokens next to min_length draws a warning.
+        shipped = getattr(self.model, "generation_config", None)
+        for name, value in (("min_p", 0.0), ("min_new_tokens", 0)):
+            if getattr(shipped, name, None) is not None:
+                neutral[name] = value
+        return GenerationConfig(max_new_tokens=params.max_new_tokens, eos_token_id=sorted(self.stops.eos),
+                                pad_token_id=self.pad_id, use_cache=True, **neutral)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to load: generation runs on the policy module itself."""
+
+    def sleep(self) -> None:
+        """Nothing to release (kept so callers can treat every engine alike)."""
+
+    def wake_up(self) -> None:
+        """Nothing to restore."""

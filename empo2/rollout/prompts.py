@@ -1,0 +1,231 @@
+"""Chat prompts for the policy: system and task text, past observation/action turns, optional tips.
+
+Layout (one chat, rendered by the tokenizer's own template):
+
+    system     the system prompt
+    user       the task description
+    user       observation_0          ┐ one pair per kept past turn, oldest first; history turns
+    assistant  action_0               ┘ never carry tips
+    ...
+    user       current observation [+ "\\n\\n" + tip block]
+    <generation prompt>
+
+Untrusted text (task, observations, actions, tips) must never become a special token, so the chat
+template is rendered once per message layout with placeholder slots instead of contents. The
+rendered string is cut at the slots: template pieces are tokenized normally (their special tokens
+are real), contents with `split_special_tokens=True` (an "<|im_start|>" inside an observation is
+plain text). The ids are the concatenation of both. Since the tip block is a content piece of its
+own, its span is known exactly and removing it gives, token for token, the tip-free prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from empo2.memory.tips import format_tip_block, tip_request_message
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an agent acting in a text environment. Each user message shows what you observe. "
+    "Reply with exactly one action on a single line, and nothing else."
+)
+# Private-use code points: no chat template emits them, and a `trim` filter leaves them alone.
+_SLOT = "\ue000{}\ue001"
+_SLOT_RE = re.compile("\ue000(\\d+)\ue001")
+_MERGE_SEPARATOR = "\n\n"  # joins contents that share one message in the fallback layout
+_TIP_SEPARATOR = "\n\n"  # between the observation and the tip block; part of the tip span
+
+
+@dataclass
+class Prompt:
+    """Token ids of one behaviour prompt.
+
+    ids: the prompt, ending with the template's generation prompt (assistant header).
+    tip_span: [start, end) of the tip-block tokens inside `ids` (None when the prompt has no tips).
+    """
+
+    ids: list[int]
+    tip_span: tuple[int, int] | None = None
+
+    def without_tips(self) -> list[int]:
+        """The same prompt with the tip block cut out: exactly what `build(..., tips=None)` returns."""
+        if self.tip_span is None:
+            return list(self.ids)
+        start, end = self.tip_span
+        return self.ids[:start] + self.ids[end:]
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be rendered slot by slot."""
+
+
+# One content piece of a message: (kind, token ids). kind "task" | "current" | "tip" | "text" tells
+# truncation which piece it may cut and `_join` where the tip span lies.
+_Piece = tuple[str, tuple[int, ...]]
+_Message = tuple[str, list[_Piece]]
+
+
+class PromptBuilder:
+    """Builds policy prompts as token ids, within a token budget.
+
+    max_prompt_tokens bounds the tip-free prompt. The tip block comes on top of it, so a prompt and
+    its tip-free twin always keep the same history turns (the budget cannot depend on the tips).
+    Truncation drops the oldest (observation, action) pairs first; the system and task messages stay.
+    If even the prompt without past turns is too long, the current observation is cut (its end is
+    kept), then the task text (its start is kept).
+    history_turns: keep at most this many past turns (None: as many as fit).
+    Contents are stripped of surrounding whitespace.
+    """
+
+    def __init__(self, tokenizer, system_prompt: str | None = None, max_prompt_tokens: int = 4500,
+                 history_turns: int | None = None):
+        if max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+        if history_turns is not None and history_turns < 0:
+            raise ValueError(f"history_turns must be >= 0 or None, got {history_turns}")
+        self.tokenizer = tokenizer
+        self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        self.max_prompt_tokens = max_prompt_tokens
+        self.history_turns = history_turns
+        # The collector passes the same observation strings at every later step of an episode, and a
+        # str caches its own hash, so each text is tokenized once and looked up in O(1) afterwards.
+        self._encode = functools.lru_cache(maxsize=16384)(self._encode_uncached)
+        self._template_cache: dict[tuple, list[list[int]]] = {}
+        self._merge = not self._template_accepts_layout()
+        self._check_content_encoding()
+
+    # ------------------------------------------------------------------------------------------ public
+    def build(self, task_description: str, history: list[tuple[str, str]], observation: str,
+              tips: list[str] | None = None) -> Prompt:
+        """The prompt for the next action. history: past (observation, action) turns, oldest first."""
+        tip_text = _TIP_SEPARATOR + format_tip_block(tips) if tips else None
+        return self._assemble(task_description, history, [observation], tip_text)
+
+    def build_tip_request(self, task_description: str, history: list[tuple[str, str]],
+                          final_observation: str, max_words: int = 100) -> list[int]:
+        """The whole episode chat plus one more user turn asking the policy for its tip (tip-free)."""
+        request = tip_request_message(max_words)["content"]
+        return self._assemble(task_description, history, [final_observation, request], None).ids
+
+    # -------------------------------------------------------------------------------------- assembling
+    def _assemble(self, task: str, history: list[tuple[str, str]], tail_users: list[str],
+                  tip_text: str | None) -> Prompt:
+        enc = self._encode
+        if self.history_turns is not None:
+            history = history[-self.history_turns:] if self.history_turns else []
+        head: list[_Message] = [("system", [("text", enc(self.system_prompt))])] if self.system_prompt else []
+        turns: list[_Message] = []
+        for obs, action in history:
+            turns += [("user", [("text", enc(obs))]), ("assistant", [("text", enc(action))])]
+        tip: list[_Piece] = [("tip", enc(tip_text, False))] if tip_text else []
+        extra: list[_Message] = [("user", [("text", enc(t))]) for t in tail_users[1:]]
+
+        def messages(first_turn: int, task_ids: tuple[int, ...], current_ids: tuple[int, ...]) -> list[_Message]:
+            msgs = (head + [("user", [("task", task_ids)])] + turns[2 * first_turn:]
+                    + [("user", [("current", current_ids)] + tip)] + extra)
+            return self._merged(msgs) if self._merge else msgs
+
+        task_ids, current_ids = enc(task), enc(tail_users[0])
+        n = len(history)
+        # Fewest dropped turns that fit; the length only shrinks as turns are dropped (binary search).
+        if self._free_length(messages(0, task_ids, current_ids)) <= self.max_prompt_tokens:
+            return self._join(messages(0, task_ids, current_ids))
+        over = self._free_length(messages(n, task_ids, current_ids)) - self.max_prompt_tokens
+        if over <= 0:
+            lo, hi = 1, n  # messages(hi) fits, messages(lo - 1) does not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._free_length(messages(mid, task_ids, current_ids)) <= self.max_prompt_tokens:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return self._join(messages(lo, task_ids, current_ids))
+        # No past turn left and still too long: cut the current observation, then the task text.
+        cut = min(over, len(current_ids))
+        current_ids = current_ids[cut:]
+        task_ids = task_ids[:len(task_ids) - min(over - cut, len(task_ids))]
+        msgs = messages(n, task_ids, current_ids)
+        if self._free_length(msgs) > self.max_prompt_tokens:
+            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} cannot hold even the system prompt and "
+                             f"the chat template's own tokens")
+        return self._join(msgs)
+
+    def _merged(self, msgs: list[_Message]) -> list[_Message]:
+        """Fallback layout: the system text becomes user text and neighbours of one role share a message."""
+        sep = ("text", self._encode(_MERGE_SEPARATOR, False))
+        out: list[_Message] = []
+        for role, pieces in msgs:
+            role = "user" if role == "system" else role
+            if out and out[-1][0] == role:
+                out[-1] = (role, out[-1][1] + [sep] + pieces)
+            else:
+                out.append((role, pieces))
+        return out
+
+    def _free_length(self, msgs: list[_Message]) -> int:
+        """Token count of the prompt without its tip block."""
+        template = self._template_pieces(tuple((role, len(pieces)) for role, pieces in msgs))
+        return (sum(len(t) for t in template)
+                + sum(len(ids) for _, pieces in msgs for kind, ids in pieces if kind != "tip"))
+
+    def _join(self, msgs: list[_Message]) -> Prompt:
+        """Template and content ids interleaved, and the tip span."""
+        template = self._template_pieces(tuple((role, len(pieces)) for role, pieces in msgs))
+        ids = list(template[0])
+        span = None
+        for (kind, piece), tmpl in zip((p for _, pieces in msgs for p in pieces), template[1:]):
+            if kind == "tip":
+                span = (len(ids), len(ids) + len(piece))
+            ids += piece
+            ids += tmpl
+        return Prompt(ids, span)
+
+    # --------------------------------------------------------------------------------------- templates
+    def _template_pieces(self, layout: tuple[tuple[str, int], ...]) -> list[list[int]]:
+        """Token ids of the template text around the content slots of a message layout (cached).
+
+        Returns n_slots + 1 id lists: before slot 0, between slots, after the last slot.
+        """
+        cached = self._template_cache.get(layout)
+        if cached is not None:
+            return cached
+        messages, n = [], 0
+        for role, count in layout:
+            messages.append({"role": role, "content": "".join(_SLOT.format(n + j) for j in range(count))})
+            n += count
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        parts = _SLOT_RE.split(text)  # [template, "0", template, "1", ..., template]
+        if parts[1::2] != [str(i) for i in range(n)]:
+            raise ChatTemplateError("the tokenizer's chat template drops, repeats or reorders message contents; "
+                                    "PromptBuilder needs a template that renders each content once, in order")
+        pieces = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if p else [] for p in parts[0::2]]
+        self._template_cache[layout] = pieces
+        return pieces
+
+    def _template_accepts_layout(self) -> bool:
+        """Whether the template takes a system message and consecutive user messages (ChatML, Llama 3 do;
+        some templates raise on either, and then neighbouring contents share one message)."""
+        roles = (["system"] if self.system_prompt else []) + ["user", "user", "assistant", "user"]
+        try:
+            self._template_pieces(tuple((r, 1) for r in roles))
+        except ChatTemplateError:
+            raise
+        except Exception:  # jinja's raise_exception surfaces as TemplateError; any failure means "no"
+            return False
+        return True
+
+    def _encode_uncached(self, text: str, strip: bool = True) -> tuple[int, ...]:
+        """Content ids (a tuple: cached values must not be mutated); special-token text stays plain text."""
+        text = text.strip() if strip else text
+        if not text:
+            return ()
+        return tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def _check_content_encoding(self) -> None:
+        """Refuse a tokenizer on which split_special_tokens does not keep special tokens out of contents."""
+        specials = [t for t in self.tokenizer.all_special_tokens if t]
+        leaked = set(self._encode_uncached(" ".join(specials))) & set(self.tokenizer.all_special_ids)
+        if leaked:
+            raise ValueError(f"this tokenizer turns special-token text inside contents into special ids "
+                             f"{sorted(leaked)}; PromptBuilder cannot keep untrusted text inert with it")

@@ -1,0 +1,149 @@
+"""RolloutCollector end to end: tiny model, real MiniSci, real MiniLM + hnswlib memory."""
+
+import numpy as np
+import pytest
+import torch
+
+from empo2.config import ModelConfig
+from empo2.envs import TaskSpec, make_env
+from empo2.memory import TIP_HEADER, Embedder, TipMemory
+from empo2.models import load_policy
+from empo2.rollout.collector import CollectorSettings, RolloutCollector
+from empo2.rollout.engines import HFEngine
+from empo2.rollout.prompts import PromptBuilder
+
+TASKS = [TaskSpec("find-living-thing", 0), TaskSpec("power-component", 1)]
+N = 2
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy(ModelConfig(name="tiny"))
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+def make_collector(policy, embedder, **overrides):
+    model, tok = policy
+    settings = CollectorSettings(max_new_tokens=6, max_episode_steps=4, tip_max_new_tokens=16, **overrides)
+    memory = TipMemory(embedder.dim, min_sim=settings.min_sim)
+    envs = [make_env("minisci", max_steps=4) for _ in range(len(TASKS) * N)]
+    return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512), envs, memory,
+                            embedder, settings, special_tokens=tok.all_special_tokens)
+
+
+def collect(collector, seed=0, iteration=0, **kw):
+    return collector.collect(TASKS, N, iteration, torch.Generator().manual_seed(seed), **kw)
+
+
+def fill_memory(collector):
+    """One tip per task instance, retrievable from any state (min_sim=-1 in these tests)."""
+    texts = [f"tip for {t.task} number {t.variation}: look in every room first" for t in TASKS]
+    metas = [{"task": t.task, "variation": t.variation, "episode_return": 1.0, "iteration": 0, "source_rank": 0}
+             for t in TASKS]
+    collector.memory.add(texts, collector.embedder.encode(texts), metas)
+
+
+def test_samples_are_well_formed(policy, embedder):
+    model, tok = policy
+    batch = collect(make_collector(policy, embedder))
+    assert len(batch.trajectories) == len(TASKS) * N
+    assert len(batch.samples) == sum(tr.length for tr in batch.trajectories) > 0
+    vocab = model.config.vocab_size
+    for tr in batch.trajectories:
+        assert 1 <= tr.length <= 4
+        assert [s.step for s in tr.samples] == list(range(tr.length))
+        assert len({s.advantage for s in tr.samples}) == 1  # every step carries its trajectory's advantage
+        for s in tr.samples:
+            assert s.group_id == tr.group_id and s.traj_id == tr.traj_id
+            assert 1 <= len(s.response_ids) <= 6
+            assert all(0 <= i < vocab for i in s.behaviour_ids + s.train_ids + s.response_ids)
+    # advantages are centred within each group
+    for g in range(len(TASKS)):
+        adv = [tr.samples[0].advantage for tr in batch.trajectories if tr.group_id == g]
+        assert abs(sum(adv)) < 1e-5
+    for key in ("rollout/return", "rollout/success", "rollout/episode_len", "rollout/invalid_action_frac",
+                "rollout/memory_frac", "rollout/offpolicy_frac", "intrinsic/mean_reward", "memory/tips_added",
+                "memory/size", "rollout/tokens_generated", "time/generate_s", "time/env_s", "time/memory_s",
+                "time/tips_s"):
+        assert key in batch.stats, key
+
+
+def test_p0_puts_no_tip_anywhere_and_p1_puts_tips_everywhere(policy, embedder):
+    _, tok = policy
+    header = tok(TIP_HEADER, add_special_tokens=False)["input_ids"][:3]
+    c0 = make_collector(policy, embedder, p=0.0, min_sim=-1.0)
+    fill_memory(c0)
+    b0 = collect(c0)
+    assert not any(s.memory or s.offpolicy for s in b0.samples)
+    assert b0.stats["rollout/memory_frac"] == 0.0
+    c1 = make_collector(policy, embedder, p=1.0, q=0.0, min_sim=-1.0)
+    fill_memory(c1)
+    b1 = collect(c1)
+    assert all(s.memory and not s.offpolicy for s in b1.samples)
+    assert all(s.train_ids == s.behaviour_ids for s in b1.samples)  # on-policy keeps the tips
+    text = tok.decode(b1.samples[0].behaviour_ids)
+    assert TIP_HEADER in text and "<tip>tip for" in text
+    assert header and TIP_HEADER not in tok.decode(b0.samples[0].behaviour_ids)
+
+
+def test_q1_updates_memory_samples_offpolicy_on_the_tip_free_prompt(policy, embedder):
+    c = make_collector(policy, embedder, p=1.0, q=1.0, min_sim=-1.0)
+    fill_memory(c)
+    batch = collect(c)
+    _, tok = policy
+    for s in batch.samples:
+        assert s.offpolicy and s.memory
+        assert len(s.train_ids) < len(s.behaviour_ids)
+        assert TIP_HEADER not in tok.decode(s.train_ids)
+
+
+def test_q0_never_yields_offpolicy(policy, embedder):
+    c = make_collector(policy, embedder, p=1.0, q=0.0, min_sim=-1.0)
+    fill_memory(c)
+    assert not any(s.offpolicy for s in collect(c).samples)
+
+
+def test_tips_reach_memory_and_novelty_counts_persist(policy, embedder):
+    c = make_collector(policy, embedder)
+    batch = collect(c)
+    written = {tr.tip for tr in batch.trajectories if tr.tip is not None}
+    assert written, "the tiny policy wrote no acceptable tip in this seed; pick another"
+    assert batch.stats["memory/tips_added"] == len(c.memory) > 0
+    assert {r.text for r in c.memory.records()} <= written
+    assert all(r.iteration == 0 and r.source_rank == 0 for r in c.memory.records())
+    seen = len(c.novelty)
+    assert seen > 0
+    collect(c, seed=1, iteration=1)
+    assert sum(c.novelty.counts.values()) > seen  # counts accumulate across iterations
+
+
+def test_intrinsic_reward_reaches_the_advantages(policy, embedder):
+    b0 = collect(make_collector(policy, embedder, beta=0.0))
+    b1 = collect(make_collector(policy, embedder, beta=5.0))
+    r0 = np.array([tr.ret for tr in b0.trajectories])
+    r1 = np.array([tr.ret for tr in b1.trajectories])
+    ext = np.array([tr.ext_return for tr in b1.trajectories])
+    bonus = np.array([sum(tr.intrinsic) for tr in b1.trajectories])
+    np.testing.assert_allclose(r0, [tr.ext_return for tr in b0.trajectories])
+    np.testing.assert_allclose(r1, ext + 5.0 * bonus, rtol=1e-6)
+    assert (bonus > 0).all()
+
+
+def test_fixed_seed_reproduces_the_batch(policy, embedder):
+    a = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=7)
+    b = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=7)
+    assert [(s.behaviour_ids, s.train_ids, s.response_ids, s.offpolicy, s.advantage) for s in a.samples] == \
+           [(s.behaviour_ids, s.train_ids, s.response_ids, s.offpolicy, s.advantage) for s in b.samples]
+    c = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=8)
+    assert [s.response_ids for s in a.samples] != [s.response_ids for s in c.samples]
+
+
+def test_evaluation_mode_writes_no_tips_and_counts_no_visits(policy, embedder):
+    c = make_collector(policy, embedder)
+    batch = collect(c, evaluate=True, use_memory=False)
+    assert len(c.memory) == 0 and len(c.novelty) == 0
+    assert not any(s.memory for s in batch.samples)
