@@ -1,89 +1,173 @@
-"""`train(cfg) -> summary`: the library entry point behind `empo2 train`.
+"""`train(cfg) -> summary`: one EMPO² training run, the library call behind `empo2 train`.
 
-The EMPO² update loop (rollout collector, Lightning module, memory) is not part of this version.
-What runs end to end today: the validated config, the run folder, the policy (bundled SmolLM2 by
-default), the environment, and a pass of the policy over the fixed validation list of task
-instances, written as `summary.json`. That is the baseline every training run is compared to.
+It wires the parts together and hands them to a Lightning Trainer: the policy inside `EMPO2Module`,
+the rollout buffer inside `RolloutDataModule`, and the collector (engine, environments, tip memory,
+novelty counter) inside `RolloutCallback`. One Lightning epoch is one iteration.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from empo2.config import TrainConfig, to_dict
-from empo2.envs import get_catalogue, make_env
+from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.models import load_policy
 from empo2.utils import atomic_write_json, make_run_dir, seed_everything
 
-SYSTEM_PROMPT = ("You are an agent in a text environment. Reply with exactly one action from the command "
-                 "grammar and nothing else.")
+
+def env_kwargs(cfg: TrainConfig) -> dict:
+    """Constructor arguments of the configured environment (ScienceWorld takes a few more)."""
+    kw = {"action_correction": cfg.env.action_correction, "reward_scale": cfg.env.reward_scale}
+    if cfg.env.max_steps is not None:
+        kw["max_steps"] = cfg.env.max_steps
+    if cfg.env.name == "scienceworld":
+        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
+    return kw
 
 
-def validation_tasks(cfg: TrainConfig):
+def validation_tasks(cfg: TrainConfig) -> list[TaskSpec]:
     """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
     two runs (and two iterations of one run) are always scored on the same instances."""
     cat = get_catalogue(cfg.env.name)
     tasks = cfg.env.tasks or cat.tasks()
-    return [(t, v) for t in tasks for v in cat.split(t, cfg.env.val_split)[: cfg.env.val_variations]]
+    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, cfg.env.val_split)[: cfg.env.val_variations]]
 
 
-@torch.no_grad()
-def play_episode(model, tok, env, task: str, variation: int, cfg: TrainConfig) -> dict:
-    obs, _ = env.reset(task=task, variation=variation)
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": f"{env.task_description}\n\n{obs}"}]
-    info, steps = {"score": 0.0, "won": False}, 0
-    temperature = cfg.rollout.val_temperature
-    while True:
-        enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
-                                      truncation=True, max_length=cfg.rollout.max_prompt_tokens)
-        out = model.generate(**enc, max_new_tokens=cfg.rollout.max_new_tokens, do_sample=temperature > 0,
-                             temperature=temperature or None, top_p=cfg.rollout.top_p,
-                             pad_token_id=tok.pad_token_id)
-        action = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        res = env.step(action)
-        steps += 1
-        info = res.info
-        messages += [{"role": "assistant", "content": info.get("parsed_action", action)},
-                     {"role": "user", "content": res.obs}]
-        if res.done:
-            break
-    return {"task": task, "variation": variation, "score": float(info["score"]), "won": bool(info["won"]),
-            "steps": steps}
+def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
+    from empo2.memory import Embedder, TipMemory
+    from empo2.rollout.collector import CollectorSettings, RolloutCollector
+    from empo2.rollout.engines import build_engine
+    from empo2.rollout.prompts import PromptBuilder
+
+    engine = build_engine(cfg.engine, model, tokenizer, model_path=cfg.model.path)
+    builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                            history_turns=cfg.rollout.history_turns)
+    envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
+    memory = embedder = None
+    if cfg.memory.enabled:
+        embedder = Embedder(cfg.memory.embedder_path)
+        m = cfg.memory
+        memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
+                           eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
+                           ef_search=m.ef_search, seed=cfg.seed)
+    a, r = cfg.algo, cfg.rollout
+    settings = CollectorSettings(
+        p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
+        adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+        max_episode_steps=cfg.env.max_steps or 100, top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
+        max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
+        per_step_entries=cfg.memory.per_step_entries)
+    specials = list(getattr(tokenizer, "all_special_tokens", []))
+    return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
 
 
-def train(cfg: TrainConfig) -> dict:
+def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
+    """Newest checkpoint of the run that loads; a truncated or corrupt one is reported and skipped."""
+    candidates = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in candidates:
+        try:
+            torch.load(path, map_location="cpu", weights_only=True)
+            return path
+        except Exception as e:  # a torn write or garbage: fall back to an older one
+            print(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); trying an older one")
+    return None
+
+
+def _logger(cfg: TrainConfig, run_dir: Path):
+    if cfg.logger.name == "none":
+        return None
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    uri = cfg.logger.tracking_uri or f"sqlite:///{Path(cfg.run_root).expanduser().resolve() / 'mlflow.db'}"
+    id_file = run_dir / "mlflow_run_id.txt"
+    run_id = id_file.read_text().strip() if id_file.is_file() else None  # resume continues the same run
+    return MLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=uri, run_id=run_id, run_name=run_dir.name)
+
+
+def plot_curves(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["rollout/return", "rollout/success", "rollout/score", "val/score_nomem", "val/score_mem"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for key in keys:
+        pts = [(h["iteration"], h[key]) for h in history if key in h]
+        if pts:
+            ax = axes[0] if key.endswith("score") or "score_" in key else axes[1]
+            ax.plot(*zip(*pts), marker="o", label=key)
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
+    """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from empo2.lit.callbacks import RolloutCallback
+    from empo2.lit.data import RolloutDataModule
+    from empo2.lit.module import EMPO2Module
+
     t0 = time.time()
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_root, cfg.run_name)
+    run_dir = make_run_dir(cfg.run_root, cfg.run_name or os.environ.get("EMPO2_RUN_NAME"))
+    os.environ["EMPO2_RUN_NAME"] = run_dir.name  # DDP worker processes rerun this and must find the same folder
     model, tok = load_policy(cfg.model)
-    model.eval()
-    print(f"run folder: {run_dir}")
-    print("the EMPO² update loop is not available in this version: scoring the policy on the fixed "
-          "validation list instead")
-    env_kwargs = {"action_correction": cfg.env.action_correction, "reward_scale": cfg.env.reward_scale}
-    if cfg.env.max_steps is not None:
-        env_kwargs["max_steps"] = cfg.env.max_steps
-    env = make_env(cfg.env.name, **env_kwargs)
-    episodes = []
+    val_tasks = validation_tasks(cfg)
+    datamodule = RolloutDataModule(cfg.trainer.ppo_epochs, cfg.trainer.mini_batch_size, cfg.seed)
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer)
+    n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks))
+    collector = build_collector(cfg, model, tok, n_envs)
+    rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks)
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
+                              save_top_k=-1, save_last=True, save_on_train_epoch_end=True)
+    logger = _logger(cfg, run_dir)
+    t = cfg.trainer
+    trainer = L.Trainer(
+        max_epochs=t.iterations, accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        strategy=t.strategy, precision=t.precision, logger=logger if logger is not None else False,
+        callbacks=[rollout_cb, ckpt_cb, *(callbacks or [])], default_root_dir=str(run_dir), log_every_n_steps=1,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        enable_model_summary=False, detect_anomaly=cfg.debug.detect_anomaly)
+    if logger is not None and trainer.is_global_zero:  # written at once, so a killed run resumes into the same run
+        (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
+    ckpt_path = find_resume_checkpoint(ckpt_dir) if cfg.resume == "auto" and ckpt_dir.is_dir() else None
+    if ckpt_path:
+        print(f"resuming from {ckpt_path}")
     try:
-        for task, variation in validation_tasks(cfg):
-            ep = play_episode(model, tok, env, task, variation, cfg)
-            episodes.append(ep)
-            print(f"  {task} #{variation}: score {ep['score']:.0f} in {ep['steps']} steps")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None,
+                    weights_only=True)
     finally:
-        env.close()
-    n = max(len(episodes), 1)
-    metrics = {"val/score_nomem": sum(e["score"] for e in episodes) / n,
-               "val/success_nomem": sum(e["won"] for e in episodes) / n,
-               "val/episodes": len(episodes), "time/total_s": time.time() - t0}
-    summary = {"metrics": metrics, "episodes": episodes, "config": to_dict(cfg), "checkpoint": None,
-               "mlflow_run_id": None, "run_dir": str(run_dir), "summary_path": str(Path(run_dir) / "summary.json")}
-    atomic_write_json(summary["summary_path"], summary)
-    print(f"val/score_nomem {metrics['val/score_nomem']:.1f}  val/success_nomem {metrics['val/success_nomem']:.2f}")
+        for env in collector.envs:
+            env.close()
+
+    history = rollout_cb.history
+    final = {}
+    for h in history:
+        final.update({k: v for k, v in h.items() if k != "iteration"})
+    final["time/total_s"] = time.time() - t0
+    plot_path = run_dir / "learning_curve.png"
+    if trainer.is_global_zero:
+        plot_curves(history, plot_path)
+    last = ckpt_dir / "last.ckpt"
+    summary = {"metrics": final, "history": history, "config": to_dict(cfg),
+               "checkpoint": str(last) if last.is_file() else None,
+               "mlflow_run_id": logger.run_id if logger is not None else None,
+               "mlflow_tracking_uri": logger._tracking_uri if logger is not None else None,
+               "run_dir": str(run_dir), "plot": str(plot_path), "summary_path": str(run_dir / "summary.json")}
+    if trainer.is_global_zero:
+        atomic_write_json(summary["summary_path"], summary)
     return summary

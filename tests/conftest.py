@@ -7,5 +7,5 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-# Two cores are shared by the test process and the JVMs it starts: oversubscription costs more than it gives.
-torch.set_num_threads(2)
+# One intra-op thread: tiny models gain nothing from more, and the JVMs and other tests share the two cores.
+torch.set_num_threads(1)

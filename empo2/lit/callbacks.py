@@ -1,0 +1,153 @@
+"""`RolloutCallback`: produces each iteration's rollouts, validates, and owns the non-parametric state.
+
+One Lightning epoch is one EMPO² iteration. When the DataModule's stream is iterated, `produce`
+samples this rank's share of task instances, plays them (tips, memory modes, novelty bonus),
+all-gathers the new tips so every rank ends with an identical memory, computes the old log-probs on
+the behaviour prompts and fills the DataModule's buffer. At the epoch's end the callback syncs the
+new weights into the generation engine and, every `val_every` iterations, scores the fixed
+validation list.
+
+Every draw depends only on (seed, iteration, rank), never on a stream that has run for a while, so
+a resumed run replays exactly what an uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from empo2 import core_algos
+from empo2.config import TrainConfig
+from empo2.envs import TaskSpec, get_catalogue
+from empo2.lit.data import RolloutDataModule, derive_seed
+from empo2.rollout.collector import RolloutCollector
+
+
+def _to_torch(obj):
+    """numpy arrays -> tensors, so checkpoints load with torch.load(weights_only=True)."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, dict):
+        return {k: _to_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_torch(v) for v in obj)
+    return obj
+
+
+def _to_numpy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: _to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_numpy(v) for v in obj)
+    return obj
+
+
+class RolloutCallback(L.Callback):
+    def __init__(self, cfg: TrainConfig, collector: RolloutCollector, datamodule: RolloutDataModule,
+                 val_tasks: list[TaskSpec]):
+        self.cfg, self.collector, self.datamodule, self.val_tasks = cfg, collector, datamodule, val_tasks
+        self.catalogue = get_catalogue(cfg.env.name)
+        self.history: list[dict[str, float]] = []  # per-iteration rollout and validation numbers
+        # Iterations completed. Our own counter, checkpointed with the rest of our state: on resume,
+        # Lightning builds the first iterator while `current_epoch` still names the finished epoch.
+        self.iteration = 0
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        self.collector.rank = trainer.global_rank
+        self.datamodule.producer = lambda: self.produce(trainer, pl_module)
+
+    # ------------------------------------------------------------------------------ one iteration
+    def produce(self, trainer: L.Trainer, pl_module) -> None:
+        """This iteration's rollouts, old log-probs and mini-batch count, into the DataModule's buffer."""
+        cfg, it = self.cfg, self.iteration
+        rank, world = trainer.global_rank, trainer.world_size
+        self.collector.settings.beta = core_algos.beta_at(it, cfg.trainer.iterations, cfg.algo.beta_start,
+                                                          cfg.algo.beta_end, cfg.algo.beta_schedule)
+        tasks = self.catalogue.sample(cfg.rollout.tasks_per_batch * world, cfg.env.train_split,
+                                      seed=derive_seed(cfg.seed, it), tasks=cfg.env.tasks or None)
+        generator = torch.Generator().manual_seed(derive_seed(cfg.seed, it, rank, 1))
+        self.collector.add_tips = world == 1
+        batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
+        if world > 1:
+            self._share_tips(batch.new_tips)
+            batch.stats["memory/size"] = float(len(self.collector.memory or []))
+
+        old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
+        n_mini = math.ceil(len(batch.samples) / cfg.trainer.mini_batch_size)
+        if world > 1:  # every rank runs as many optimiser steps as the busiest one
+            t = torch.tensor([n_mini], device=pl_module.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            n_mini = int(t.item())
+        self.datamodule.set_rollouts(batch.samples, old, it, n_mini)
+
+        stats = dict(batch.stats, **{"train/iteration": float(it), "algo/beta": self.collector.settings.beta})
+        stats["env/restarts"] = float(self._env_restarts())
+        pl_module.progress = {"return": stats["rollout/return"], "success": stats["rollout/success"],
+                              "mem": stats["memory/size"]}
+        self._log(trainer, it, stats)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        self.collector.engine.update_weights(pl_module.policy.named_parameters())
+        it = self.iteration
+        if (it + 1) % self.cfg.trainer.val_every == 0 or it + 1 == self.cfg.trainer.iterations:
+            self._log(trainer, it, self.validate(it))
+        self.iteration += 1
+
+    def validate(self, iteration: int) -> dict[str, float]:
+        """Score the fixed validation list without memory and, if tips exist, with it."""
+        out = {}
+        modes = [("nomem", False)] + ([("mem", True)] if self.collector.memory is not None else [])
+        for name, use_memory in modes:
+            generator = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 2**20, name == "mem"))
+            saved = self.collector.settings.temperature
+            self.collector.settings.temperature = self.cfg.rollout.val_temperature
+            try:
+                batch = self.collector.collect(self.val_tasks, 1, iteration, generator, evaluate=True,
+                                               use_memory=use_memory)
+            finally:
+                self.collector.settings.temperature = saved
+            out[f"val/score_{name}"] = batch.stats["rollout/score"]
+            out[f"val/success_{name}"] = batch.stats["rollout/success"]
+            out[f"val/episode_len_{name}"] = batch.stats["rollout/episode_len"]
+        return out
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _share_tips(self, entries) -> None:
+        """All-gather each rank's new tips and merge them in a rank-independent order."""
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        texts, vectors, metas = [], [], []
+        for t, v, m in gathered:
+            texts += t
+            metas += m
+            vectors.append(v)
+        if texts:
+            self.collector.memory.merge(texts, np.concatenate(vectors), metas)
+
+    def _env_restarts(self) -> int:
+        return sum(int(getattr(env, "restarts", 0)) for env in self.collector.envs)
+
+    def _log(self, trainer: L.Trainer, iteration: int, stats: dict[str, float]) -> None:
+        self.history.append(dict(stats, iteration=iteration))
+        if trainer.logger is not None and trainer.is_global_zero:
+            trainer.logger.log_metrics(stats, step=iteration)
+
+    # -------------------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> dict:
+        memory = self.collector.memory
+        return {"novelty": self.collector.novelty.state_dict(),
+                "memory": _to_torch(memory.state_dict()) if memory is not None else None,
+                "history": self.history, "iteration": self.iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.collector.novelty.load_state_dict(state["novelty"])
+        if state.get("memory") is not None and self.collector.memory is not None:
+            self.collector.memory.load_state_dict(_to_numpy(state["memory"]))
+        self.history = list(state.get("history", []))
+        self.iteration = int(state["iteration"])

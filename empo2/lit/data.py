@@ -1,0 +1,122 @@
+"""The rollout buffer and the stream of mini-batches the Lightning module trains on.
+
+Every pass over `RolloutDataModule`'s IterableDataset is one iteration: it first asks its producer
+(`RolloutCallback.produce`) to fill the buffer with fresh rollouts, then yields `ppo_epochs` shuffled
+passes of mini-batches over them. Producing on iteration rather than in an epoch-start hook matters:
+Lightning creates (and prefetches from) the first epoch's iterator before `on_train_epoch_start`,
+both on a fresh start and on resume, so a hook-filled buffer would be read while still empty. Each rank streams
+its own buffer (its own share of the rollouts); `mini_batches_per_rank` evens the number of
+optimiser steps across ranks so collective ops never wait on a rank that ran out of data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from empo2.rollout.types import StepSample
+
+
+@dataclass
+class RolloutBuffer:
+    samples: list[StepSample] = field(default_factory=list)
+    old_logprobs: list[torch.Tensor] = field(default_factory=list)  # per sample (T_i,), behaviour prompt
+    iteration: int = 0
+    num_mini_batches: int = 0  # per ppo epoch, identical on every rank
+
+
+def collate(samples: list[StepSample], pad_id: int, prompt: str = "train") -> dict[str, torch.Tensor]:
+    """Prompt + response token ids as one batch, prompts LEFT-padded and responses RIGHT-padded, so
+    every response starts at the same column P and the model's logits can be kept for the last T+1
+    positions only (no full-vocabulary logits over prompt tokens).
+
+    prompt: "train" (the learner's prompt: tip-free for off-policy samples) or "behaviour".
+    Returns input_ids/attention_mask/position_ids (B, P+T), response_ids/response_mask (B, T).
+    """
+    prompts = [s.train_ids if prompt == "train" else s.behaviour_ids for s in samples]
+    P = max(len(p) for p in prompts)
+    T = max(len(s.response_ids) for s in samples)
+    B = len(samples)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    response_mask = torch.zeros((B, T), dtype=torch.bool)
+    for b, (p, s) in enumerate(zip(prompts, samples)):
+        r = s.response_ids
+        input_ids[b, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        input_ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[b, P - len(p):P + len(r)] = 1
+        response_mask[b, :len(r)] = True
+    # left padding shifts positions: count only real tokens so a prompt is encoded the same padded or not
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "response_ids": input_ids[:, P:], "response_mask": response_mask}
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed for one (run seed, iteration, ...) tuple: each draw depends only on where it happens, so a
+    resumed run replays exactly the draws of an uninterrupted one."""
+    seed = 0
+    for p in parts:
+        seed = (seed * 1_000_003 + int(p)) % (2**63 - 1)
+    return seed
+
+
+def pad_logprobs(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Stack per-sample (T_i,) log-prob rows into (B, T), zero-padded on the right."""
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        out[b, :len(r)] = r
+    return out
+
+
+class _MiniBatchStream(IterableDataset):
+    """Yields lists of sample indices (mini-batches); each pass produces a new buffer first, so one
+    DataLoader serves every iteration."""
+
+    def __init__(self, buffer: RolloutBuffer, producer: Callable[[], None], ppo_epochs: int, mini_batch_size: int,
+                 seed: int, rank: int):
+        self.buffer, self.producer, self.ppo_epochs = buffer, producer, ppo_epochs
+        self.mini_batch_size, self.seed, self.rank = mini_batch_size, seed, rank
+
+    def __iter__(self):
+        self.producer()
+        n = len(self.buffer.samples)
+        if n == 0:
+            return
+        want = self.buffer.num_mini_batches * self.mini_batch_size
+        for epoch in range(self.ppo_epochs):
+            g = torch.Generator().manual_seed(derive_seed(self.seed, self.buffer.iteration, epoch, self.rank))
+            # cycle shuffled passes until this rank has as many mini-batches as the busiest rank
+            order = torch.cat([torch.randperm(n, generator=g) for _ in range(math.ceil(want / n))])[:want]
+            for start in range(0, want, self.mini_batch_size):
+                yield order[start:start + self.mini_batch_size].tolist()
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(self, ppo_epochs: int, mini_batch_size: int, seed: int):
+        super().__init__()
+        self.buffer = RolloutBuffer()
+        self.ppo_epochs, self.mini_batch_size, self.seed = ppo_epochs, mini_batch_size, seed
+        self.producer: Callable[[], None] | None = None  # set by RolloutCallback.setup
+
+    def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int,
+                     num_mini_batches: int) -> None:
+        self.buffer.samples, self.buffer.old_logprobs = samples, old_logprobs
+        self.buffer.iteration, self.buffer.num_mini_batches = iteration, num_mini_batches
+
+    def mini_batch(self, indices: list[int]) -> tuple[list[StepSample], list[torch.Tensor]]:
+        return [self.buffer.samples[i] for i in indices], [self.buffer.old_logprobs[i] for i in indices]
+
+    def train_dataloader(self) -> DataLoader:
+        if self.producer is None:
+            raise RuntimeError("RolloutDataModule needs a RolloutCallback in the Trainer to produce rollouts")
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        stream = _MiniBatchStream(self.buffer, self.producer, self.ppo_epochs, self.mini_batch_size, self.seed, rank)
+        # batch_size=None: the stream already yields whole mini-batches; no worker processes, the buffer
+        # lives in this process and changes every iteration
+        return DataLoader(stream, batch_size=None, num_workers=0)

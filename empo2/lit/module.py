@@ -1,0 +1,156 @@
+"""`EMPO2Module`: the policy and the EMPO² update, one mini-batch per `training_step`.
+
+The update is the paper's, read top to bottom in `training_step`: for each micro-batch, score the
+response under the *training* prompt (tip-free for off-policy samples), build the loss mask (the
+low-probability mask on off-policy tokens), compute the dual-clip PPO loss against the old
+log-probs (computed once per iteration on the *behaviour* prompt, before any update), accumulate
+gradients, clip, and step — unless the loss or gradient is not finite, in which case the step is
+skipped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+
+from empo2 import core_algos
+from empo2.config import AlgoConfig, TrainerConfig
+from empo2.lit.data import RolloutBuffer, collate, pad_logprobs
+from empo2.rollout.types import StepSample
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after `trainer.max_nonfinite_steps` consecutive skipped steps."""
+
+
+class EMPO2Module(L.LightningModule):
+    def __init__(self, policy, tokenizer, algo: AlgoConfig, trainer_cfg: TrainerConfig, buffer: RolloutBuffer,
+                 ref_policy=None):
+        super().__init__()
+        self.automatic_optimization = False  # micro-batch accumulation and the non-finite guard are explicit
+        self.policy = policy
+        self.ref_policy = ref_policy  # frozen, only when algo.kl_coef > 0 (LoRA: the base with adapters off)
+        self.pad_id = tokenizer.pad_token_id
+        self.algo, self.tcfg, self.buffer = algo, trainer_cfg, buffer
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.progress: dict[str, float] = {}  # latest rollout numbers, shown in the progress bar
+
+    # ------------------------------------------------------------------------------------ log-probs
+    def response_logprobs(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+        """log pi(response token | prompt, previous response tokens), (B, T), float32.
+
+        Responses start at the same column P (see `collate`), so the LM head runs on the last T+1
+        positions only: no full-vocabulary logits over prompt tokens.
+        """
+        model = model or self.policy
+        T = batch["response_ids"].shape[1]
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False)
+        logits = out.logits[:, :-1].float()  # (B, T, V): position P-1+j predicts response token j
+        logp = torch.log_softmax(logits, dim=-1)
+        return logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+    @torch.no_grad()
+    def old_logprobs(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
+        """Behaviour log-probs with the current weights, before any update of this iteration."""
+        was_training = self.policy.training
+        self.policy.eval()
+        rows: list[torch.Tensor] = []
+        for start in range(0, len(samples), micro_batch_size):
+            mb = samples[start:start + micro_batch_size]
+            batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id, prompt="behaviour").items()}
+            lp = self.response_logprobs(batch).cpu()  # (b, T)
+            rows += [lp[b, :len(s.response_ids)] for b, s in enumerate(mb)]
+        self.policy.train(was_training)
+        return rows
+
+    # ------------------------------------------------------------------------------------- update
+    def training_step(self, indices: list[int], batch_idx: int):
+        samples = [self.buffer.samples[i] for i in indices]
+        old_rows = [self.buffer.old_logprobs[i] for i in indices]
+        opt = self.optimizers()
+        a, mbs = self.algo, self.tcfg.micro_batch_size
+        totals: dict[str, float] = {}
+        finite = True
+        for start in range(0, len(samples), mbs):
+            mb, mb_old = samples[start:start + mbs], old_rows[start:start + mbs]
+            batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id, prompt="train").items()}
+            mask = batch["response_mask"]  # (b, T)
+            logp = self.response_logprobs(batch)  # (b, T), learner prompt (tip-free when off-policy)
+            old = pad_logprobs(mb_old, mask.shape[1]).to(self.device)  # (b, T), behaviour prompt
+            adv = torch.tensor([s.advantage for s in mb], device=self.device)  # (b,)
+            offpolicy = torch.tensor([s.offpolicy for s in mb], device=self.device)  # (b,)
+            # off-policy tokens the tip-free (target) policy finds unlikely (< delta) leave the loss
+            loss_mask = core_algos.empo2_loss_mask(mask, logp.detach(), offpolicy, a.delta, a.mask_mode,
+                                                   a.mask_scope)
+            loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high,
+                                                   a.dual_clip_c, a.loss_agg, response_mask=mask)
+            if a.kl_coef > 0:
+                with torch.no_grad():
+                    ref = self.response_logprobs(batch, model=self.ref_policy)
+                kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg)
+                loss = loss + a.kl_coef * kl
+                metrics["kl_ref"] = float(kl.detach())
+            metrics["offpolicy_frac"] = float(offpolicy.float().mean())
+            weight = len(mb) / len(samples)  # micro-batch share of the mini-batch mean
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            self.manual_backward(loss * weight)
+            metrics["loss"] = float(loss.detach())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v * weight
+
+        grad_norm = self._clip_gradients() if finite else float("nan")
+        if not (finite and math.isfinite(grad_norm)):
+            opt.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            self.log("train/skipped_steps", float(self.skipped_steps))
+            if self.consecutive_skips >= self.tcfg.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{self.consecutive_skips} consecutive updates had a non-finite loss or gradient "
+                    f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps})")
+            return None
+        self.consecutive_skips = 0
+        self._set_lr(opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.log_dict({f"actor/{k}": v for k, v in totals.items()}, on_step=True)
+        self.log_dict({"actor/grad_norm": grad_norm, "train/lr": opt.param_groups[0]["lr"],
+                       "train/skipped_steps": float(self.skipped_steps)}, on_step=True)
+        self.log_dict(self.progress, prog_bar=True, on_step=True)
+        return None
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        wrapped = self.trainer.strategy.model if self._trainer is not None else None
+        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: norms over sharded gradients
+            return float(wrapped.clip_grad_norm_(self.tcfg.grad_clip))
+        return float(torch.nn.utils.clip_grad_norm_(params, self.tcfg.grad_clip))
+
+    def _set_lr(self, opt) -> None:
+        """Linear warm-up over optimiser steps, then constant or cosine over iterations. A function of the
+        step and iteration counters only, so a resumed run gets the same learning rates."""
+        t = self.tcfg
+        factor = min(1.0, (self.global_step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+        if t.lr_schedule == "cosine":
+            factor *= 0.5 * (1 + math.cos(math.pi * self.current_epoch / max(t.iterations, 1)))
+        for group in opt.param_groups:
+            group["lr"] = t.lr * factor
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+
+    # ---------------------------------------------------------------------------- checkpoint state
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["empo2_module"] = {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("empo2_module", {})
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))

@@ -1,0 +1,68 @@
+"""End-to-end training with the real Lightning Trainer, the tiny model and MiniSci."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from empo2.config import load_config
+from empo2.train import train
+
+FAST = ["model=tiny", "logger=none", "trainer.iterations=2", "trainer.mini_batch_size=4",
+        "trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.val_every=1", "trainer.ckpt_every=1",
+        "rollout.tasks_per_batch=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
+        "rollout.tip_max_new_tokens=12", "rollout.max_prompt_tokens=384", "env.max_steps=3",
+        "env.val_variations=1", "algo.p=0.5", "algo.q=0.5", "seed=0"]
+
+
+def _weights(path):
+    sd = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in sd.items() if k.startswith("policy.")}
+
+
+def test_two_iterations_update_the_policy_and_write_a_summary(tmp_path):
+    from empo2.models import load_policy
+
+    cfg = load_config(FAST + [f"run_root={tmp_path}", "run_name=r"])
+    summary = train(cfg)
+    initial, _ = load_policy(cfg.model)
+    final = _weights(summary["checkpoint"])
+    changed = [k for k, v in initial.state_dict().items() if not torch.equal(final[f"policy.{k}"], v)]
+    assert changed, "no parameter changed after two iterations"
+    saved = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert saved["config"]["algo"]["p"] == 0.5
+    for key in ("rollout/return", "rollout/success", "rollout/episode_len", "val/score_nomem", "memory/size"):
+        assert key in saved["metrics"], key
+    assert len([h for h in saved["history"] if "rollout/return" in h]) == 2
+    assert (tmp_path / "r" / "learning_curve.png").is_file()
+
+
+class StopAfter(L.Callback):
+    """Ends a run after `n` iterations, as an interruption would (its config still says 4)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 >= self.n:
+            trainer.should_stop = True
+
+
+@pytest.mark.slow
+def test_resume_is_exact(tmp_path):
+    four = FAST + ["trainer.iterations=4", f"run_root={tmp_path}"]
+    straight = train(load_config(four + ["run_name=a"]))
+    train(load_config(four + ["run_name=b"]), callbacks=[StopAfter(2)])
+    resumed = train(load_config(four + ["run_name=b", "resume=auto"]))
+    wa, wb = _weights(straight["checkpoint"]), _weights(resumed["checkpoint"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    def untimed(history):
+        return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+
+    assert untimed(straight["history"]) == untimed(resumed["history"])
+    ma = torch.load(straight["checkpoint"], map_location="cpu", weights_only=True)["callbacks"]
+    mb = torch.load(resumed["checkpoint"], map_location="cpu", weights_only=True)["callbacks"]
+    ka, kb = next(k for k in ma if "Rollout" in k), next(k for k in mb if "Rollout" in k)
+    assert ma[ka]["memory"]["records"] == mb[kb]["memory"]["records"]
+    assert ma[ka]["novelty"] == mb[kb]["novelty"]
