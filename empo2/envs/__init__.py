@@ -4,7 +4,7 @@ Importing the environment modules registers them; heavy dependencies (the Scienc
 TextWorld) are imported only when an environment is built.
 """
 
-from empo2.envs import minisci, scienceworld  # noqa: F401  (register "minisci" and "scienceworld")
+from empo2.envs import minisci, scienceworld, textworld  # noqa: F401  (each registers itself)
 from empo2.envs.base import (
     Catalogue,
     StepResult,
