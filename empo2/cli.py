@@ -33,8 +33,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.overrides)
     summary = train(cfg)
-    print(f"summary: {summary['summary_path']}")
+    print_report(summary)
     return 0
+
+
+def print_report(summary: dict) -> None:
+    """The closing lines of a run: final numbers and where everything went."""
+    m = summary["metrics"]
+    shown = ["rollout/return", "rollout/score", "rollout/success", "val/score_nomem", "val/success_nomem",
+             "val/score_mem", "val/success_mem", "memory/size", "time/total_s"]
+    print("\n== empo2 run finished ==")
+    for key in shown:
+        if key in m:
+            print(f"  {key:<20} {m[key]:.3f}")
+    print(f"  run folder           {summary['run_dir']}")
+    print(f"  summary              {summary['summary_path']}")
+    print(f"  checkpoint           {summary['checkpoint']}")
+    print(f"  learning curve       {summary['plot']}")
+    if summary.get("mlflow_tracking_uri"):
+        print(f"  MLflow run           {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']}")
+        print(f"  open the MLflow UI:  mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}")
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

@@ -77,6 +77,9 @@ class EnvConfig:
                               "episode return.", gt=0)
     call_timeout_s: float = opt(10.0, "Timeout of one call into an environment process; a hung JVM is "
                                 "restarted and its episode reported failed.", gt=0)
+    generation_timeout_s: float = opt(300.0, "TextWorld: limit on generating one game on first use (some "
+                                      "treasure-hunter levels take minutes); past it a clear error names the level.",
+                                      gt=0)
 
 
 # ------------------------------------------------------------------------------------------------ algo
@@ -112,6 +115,8 @@ class AlgoConfig:
                          "as in the paper).", ge=0)
     kl_kind: str = opt("k3", "KL estimator.", choices=("k1", "k3"))
     entropy_coef: float = opt(0.0, "Entropy bonus weight (0 in the paper).", ge=0)
+    update_policy: bool = opt(True, "False: memory-only agent (Reflexion-style): rollouts write and retrieve tips "
+                              "but the weights never change. The paper's no-update baseline and OOD adaptation.")
 
 
 # --------------------------------------------------------------------------------------------- rollout

@@ -26,6 +26,8 @@ def env_kwargs(cfg: TrainConfig) -> dict:
         kw["max_steps"] = cfg.env.max_steps
     if cfg.env.name == "scienceworld":
         kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
+    if cfg.env.name == "textworld":
+        kw["generation_timeout_s"] = cfg.env.generation_timeout_s
     return kw
 
 
@@ -77,15 +79,33 @@ def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     return None
 
 
+def tracking_uri(cfg: TrainConfig) -> str:
+    """The run's MLflow tracking URI: `logger.tracking_uri`, else a sqlite file under the run root."""
+    return cfg.logger.tracking_uri or f"sqlite:///{Path(cfg.run_root).expanduser().resolve() / 'mlflow.db'}"
+
+
 def _logger(cfg: TrainConfig, run_dir: Path):
     if cfg.logger.name == "none":
         return None
     from lightning.pytorch.loggers import MLFlowLogger
 
-    uri = cfg.logger.tracking_uri or f"sqlite:///{Path(cfg.run_root).expanduser().resolve() / 'mlflow.db'}"
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if id_file.is_file() else None  # resume continues the same run
-    return MLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=uri, run_id=run_id, run_name=run_dir.name)
+    tags = {"preset": cfg.experiment} if cfg.experiment else {}
+    tags.update({str(k): str(v) for k, v in cfg.logger.tags.items()})
+    return MLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=tracking_uri(cfg), run_id=run_id,
+                        run_name=run_dir.name, tags=tags or None)
+
+
+def state_fingerprint(model) -> str:
+    """sha256 over every parameter's bytes, in name order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def plot_curves(history: list[dict], path: Path) -> None:
@@ -126,7 +146,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     os.environ["EMPO2_RUN_NAME"] = run_dir.name  # DDP worker processes rerun this and must find the same folder
     model, tok = load_policy(cfg.model)
     val_tasks = validation_tasks(cfg)
-    datamodule = RolloutDataModule(cfg.trainer.ppo_epochs, cfg.trainer.mini_batch_size, cfg.seed)
+    t = cfg.trainer
+    datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed)
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks))
     collector = build_collector(cfg, model, tok, n_envs)
@@ -135,7 +156,6 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
                               save_top_k=-1, save_last=True, save_on_train_epoch_end=True)
     logger = _logger(cfg, run_dir)
-    t = cfg.trainer
     trainer = L.Trainer(
         max_epochs=t.iterations, accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=t.strategy, precision=t.precision, logger=logger if logger is not None else False,
@@ -153,6 +173,14 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     finally:
         for env in collector.envs:
             env.close()
+    memory = collector.memory
+    if memory is not None and trainer.is_global_zero:
+        memory.save(run_dir / "memory")  # the tips the run ends with, for `empo2 eval/adapt`
+    if trainer.world_size > 1:  # one fingerprint per rank: data-parallel ranks must agree exactly
+        atomic_write_json(run_dir / f"rank{trainer.global_rank}.json", {
+            "weights_sha256": state_fingerprint(module.policy),
+            "memory_records": [r.text for r in memory.records()] if memory is not None else [],
+            "novelty_states": len(collector.novelty)})
 
     history = rollout_cb.history
     final = {}

@@ -78,8 +78,11 @@ class RolloutCallback(L.Callback):
             self._share_tips(batch.new_tips)
             batch.stats["memory/size"] = float(len(self.collector.memory or []))
 
-        old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
-        n_mini = math.ceil(len(batch.samples) / cfg.trainer.mini_batch_size)
+        if cfg.algo.update_policy:
+            old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
+            n_mini = math.ceil(len(batch.samples) / cfg.trainer.mini_batch_size)
+        else:  # memory-only agent: the iteration is its rollouts (and tips); nothing to train on
+            old, n_mini = [], 0
         if world > 1:  # every rank runs as many optimiser steps as the busiest one
             t = torch.tensor([n_mini], device=pl_module.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -1,12 +1,13 @@
 """The rollout buffer and the stream of mini-batches the Lightning module trains on.
 
 Every pass over `RolloutDataModule`'s IterableDataset is one iteration: it first asks its producer
-(`RolloutCallback.produce`) to fill the buffer with fresh rollouts, then yields `ppo_epochs` shuffled
-passes of mini-batches over them. Producing on iteration rather than in an epoch-start hook matters:
-Lightning creates (and prefetches from) the first epoch's iterator before `on_train_epoch_start`,
-both on a fresh start and on resume, so a hook-filled buffer would be read while still empty. Each rank streams
-its own buffer (its own share of the rollouts); `mini_batches_per_rank` evens the number of
-optimiser steps across ranks so collective ops never wait on a rank that ran out of data.
+(`RolloutCallback.produce`) to fill the buffer with fresh rollouts, then yields the micro-batches of
+`ppo_epochs` shuffled passes of mini-batches over them. Producing on iteration rather than in an
+epoch-start hook matters: Lightning creates (and prefetches from) the first epoch's iterator before
+`on_train_epoch_start`, both on a fresh start and on resume, so a hook-filled buffer would be read
+while still empty. Each rank streams its own buffer (its own share of the rollouts);
+`num_mini_batches` evens the number of optimiser steps across ranks so collective ops never wait on
+a rank that ran out of data.
 """
 
 from __future__ import annotations
@@ -74,34 +75,51 @@ def pad_logprobs(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     return out
 
 
-class _MiniBatchStream(IterableDataset):
-    """Yields lists of sample indices (mini-batches); each pass produces a new buffer first, so one
-    DataLoader serves every iteration."""
+@dataclass
+class MicroBatch:
+    """One forward/backward: `indices` into the buffer; the optimiser steps after the micro-batch with
+    `last` set. `share` is its fraction of the mini-batch, the weight of its loss in the mini-batch mean."""
+
+    indices: list[int]
+    share: float
+    last: bool
+
+
+class _MicroBatchStream(IterableDataset):
+    """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches; each pass over the
+    stream produces a new buffer first, so one DataLoader serves every iteration.
+
+    One micro-batch per training step keeps exactly one forward and one backward per step, which is
+    what DDP's gradient reducer expects."""
 
     def __init__(self, buffer: RolloutBuffer, producer: Callable[[], None], ppo_epochs: int, mini_batch_size: int,
-                 seed: int, rank: int):
+                 micro_batch_size: int, seed: int, rank: int):
         self.buffer, self.producer, self.ppo_epochs = buffer, producer, ppo_epochs
-        self.mini_batch_size, self.seed, self.rank = mini_batch_size, seed, rank
+        self.mini, self.micro, self.seed, self.rank = mini_batch_size, micro_batch_size, seed, rank
 
     def __iter__(self):
         self.producer()
         n = len(self.buffer.samples)
-        if n == 0:
+        if n == 0 or self.buffer.num_mini_batches == 0:
             return
-        want = self.buffer.num_mini_batches * self.mini_batch_size
+        want = self.buffer.num_mini_batches * self.mini
         for epoch in range(self.ppo_epochs):
             g = torch.Generator().manual_seed(derive_seed(self.seed, self.buffer.iteration, epoch, self.rank))
             # cycle shuffled passes until this rank has as many mini-batches as the busiest rank
             order = torch.cat([torch.randperm(n, generator=g) for _ in range(math.ceil(want / n))])[:want]
-            for start in range(0, want, self.mini_batch_size):
-                yield order[start:start + self.mini_batch_size].tolist()
+            for start in range(0, want, self.mini):
+                mini = order[start:start + self.mini].tolist()
+                for m in range(0, len(mini), self.micro):
+                    micro = mini[m:m + self.micro]
+                    yield MicroBatch(micro, len(micro) / len(mini), m + self.micro >= len(mini))
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, ppo_epochs: int, mini_batch_size: int, seed: int):
+    def __init__(self, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int, seed: int):
         super().__init__()
         self.buffer = RolloutBuffer()
-        self.ppo_epochs, self.mini_batch_size, self.seed = ppo_epochs, mini_batch_size, seed
+        self.ppo_epochs, self.seed = ppo_epochs, seed
+        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
         self.producer: Callable[[], None] | None = None  # set by RolloutCallback.setup
 
     def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int,
@@ -109,14 +127,12 @@ class RolloutDataModule(L.LightningDataModule):
         self.buffer.samples, self.buffer.old_logprobs = samples, old_logprobs
         self.buffer.iteration, self.buffer.num_mini_batches = iteration, num_mini_batches
 
-    def mini_batch(self, indices: list[int]) -> tuple[list[StepSample], list[torch.Tensor]]:
-        return [self.buffer.samples[i] for i in indices], [self.buffer.old_logprobs[i] for i in indices]
-
     def train_dataloader(self) -> DataLoader:
         if self.producer is None:
             raise RuntimeError("RolloutDataModule needs a RolloutCallback in the Trainer to produce rollouts")
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        stream = _MiniBatchStream(self.buffer, self.producer, self.ppo_epochs, self.mini_batch_size, self.seed, rank)
-        # batch_size=None: the stream already yields whole mini-batches; no worker processes, the buffer
+        stream = _MicroBatchStream(self.buffer, self.producer, self.ppo_epochs, self.mini_batch_size,
+                                   self.micro_batch_size, self.seed, rank)
+        # batch_size=None: the stream already yields whole micro-batches; no worker processes, the buffer
         # lives in this process and changes every iteration
         return DataLoader(stream, batch_size=None, num_workers=0)

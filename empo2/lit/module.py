@@ -1,11 +1,11 @@
 """`EMPO2Module`: the policy and the EMPO² update, one mini-batch per `training_step`.
 
-The update is the paper's, read top to bottom in `training_step`: for each micro-batch, score the
-response under the *training* prompt (tip-free for off-policy samples), build the loss mask (the
-low-probability mask on off-policy tokens), compute the dual-clip PPO loss against the old
-log-probs (computed once per iteration on the *behaviour* prompt, before any update), accumulate
-gradients, clip, and step — unless the loss or gradient is not finite, in which case the step is
-skipped and counted.
+The update is the paper's, read top to bottom in `training_step` (one micro-batch per call): score
+the response under the *training* prompt (tip-free for off-policy samples), build the loss mask (the
+low-probability mask on off-policy tokens), compute the dual-clip PPO loss against the old log-probs
+(computed once per iteration on the *behaviour* prompt, before any update) and accumulate gradients;
+after the last micro-batch of a mini-batch, clip and step — unless the loss or gradient is not
+finite, in which case the step is skipped and counted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from empo2 import core_algos
 from empo2.config import AlgoConfig, TrainerConfig
-from empo2.lit.data import RolloutBuffer, collate, pad_logprobs
+from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.rollout.types import StepSample
 
 
@@ -36,6 +36,7 @@ class EMPO2Module(L.LightningModule):
         self.algo, self.tcfg, self.buffer = algo, trainer_cfg, buffer
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self._totals: dict[str, float] = {}  # metrics of the current mini-batch, weighted by micro-batch share
         self.progress: dict[str, float] = {}  # latest rollout numbers, shown in the progress bar
 
     # ------------------------------------------------------------------------------------ log-probs
@@ -67,45 +68,46 @@ class EMPO2Module(L.LightningModule):
         self.policy.train(was_training)
         return rows
 
-    # ------------------------------------------------------------------------------------- update
-    def training_step(self, indices: list[int], batch_idx: int):
-        samples = [self.buffer.samples[i] for i in indices]
-        old_rows = [self.buffer.old_logprobs[i] for i in indices]
-        opt = self.optimizers()
-        a, mbs = self.algo, self.tcfg.micro_batch_size
-        totals: dict[str, float] = {}
-        finite = True
-        for start in range(0, len(samples), mbs):
-            mb, mb_old = samples[start:start + mbs], old_rows[start:start + mbs]
-            batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id, prompt="train").items()}
-            mask = batch["response_mask"]  # (b, T)
-            logp = self.response_logprobs(batch)  # (b, T), learner prompt (tip-free when off-policy)
-            old = pad_logprobs(mb_old, mask.shape[1]).to(self.device)  # (b, T), behaviour prompt
-            adv = torch.tensor([s.advantage for s in mb], device=self.device)  # (b,)
-            offpolicy = torch.tensor([s.offpolicy for s in mb], device=self.device)  # (b,)
-            # off-policy tokens the tip-free (target) policy finds unlikely (< delta) leave the loss
-            loss_mask = core_algos.empo2_loss_mask(mask, logp.detach(), offpolicy, a.delta, a.mask_mode,
-                                                   a.mask_scope)
-            loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high,
-                                                   a.dual_clip_c, a.loss_agg, response_mask=mask)
-            if a.kl_coef > 0:
-                with torch.no_grad():
-                    ref = self.response_logprobs(batch, model=self.ref_policy)
-                kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg)
-                loss = loss + a.kl_coef * kl
-                metrics["kl_ref"] = float(kl.detach())
-            metrics["offpolicy_frac"] = float(offpolicy.float().mean())
-            weight = len(mb) / len(samples)  # micro-batch share of the mini-batch mean
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            self.manual_backward(loss * weight)
-            metrics["loss"] = float(loss.detach())
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v * weight
+    def on_train_start(self) -> None:
+        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
 
-        grad_norm = self._clip_gradients() if finite else float("nan")
-        if not (finite and math.isfinite(grad_norm)):
+    # ------------------------------------------------------------------------------------- update
+    def training_step(self, micro: MicroBatch, batch_idx: int):
+        """One micro-batch of the EMPO² update; the optimiser steps after the last one of a mini-batch."""
+        a = self.algo
+        samples = [self.buffer.samples[i] for i in micro.indices]
+        batch = {k: v.to(self.device) for k, v in collate(samples, self.pad_id, prompt="train").items()}
+        mask = batch["response_mask"]  # (b, T)
+        logp = self.response_logprobs(batch)  # (b, T), learner prompt: tip-free for off-policy samples
+        old = pad_logprobs([self.buffer.old_logprobs[i] for i in micro.indices], mask.shape[1])
+        old = old.to(self.device)  # (b, T), behaviour prompt, current weights before this iteration's updates
+        adv = torch.tensor([s.advantage for s in samples], device=self.device)  # (b,)
+        offpolicy = torch.tensor([s.offpolicy for s in samples], device=self.device)  # (b,)
+        # off-policy tokens the tip-free (target) policy finds unlikely (p < delta) leave the loss
+        loss_mask = core_algos.empo2_loss_mask(mask, logp.detach(), offpolicy, a.delta, a.mask_mode, a.mask_scope)
+        loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high, a.dual_clip_c,
+                                               a.loss_agg, response_mask=mask)
+        if a.kl_coef > 0:
+            with torch.no_grad():
+                ref = self.response_logprobs(batch, model=self.ref_policy)
+            kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg)
+            loss = loss + a.kl_coef * kl
+            metrics["kl_ref"] = float(kl.detach())
+        metrics["loss"] = float(loss.detach())
+        metrics["offpolicy_frac"] = float(offpolicy.float().mean())
+        # Backward even when the loss is not finite: under DDP every rank must reduce, and the NaN then
+        # reaches every rank's gradient norm, so all ranks skip the same step.
+        self.manual_backward(loss * micro.share)  # micro-batch share of the mini-batch mean
+        for k, v in metrics.items():
+            self._totals[k] = self._totals.get(k, 0.0) + v * micro.share
+        if micro.last:
+            self._step()
+
+    def _step(self) -> None:
+        opt = self.optimizers()
+        totals, self._totals = self._totals, {}
+        grad_norm = self._clip_gradients()
+        if not (math.isfinite(grad_norm) and math.isfinite(totals.get("loss", 0.0))):
             opt.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -114,7 +116,7 @@ class EMPO2Module(L.LightningModule):
                 raise NonFiniteLossError(
                     f"{self.consecutive_skips} consecutive updates had a non-finite loss or gradient "
                     f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps})")
-            return None
+            return
         self.consecutive_skips = 0
         self._set_lr(opt)
         opt.step()
@@ -123,7 +125,6 @@ class EMPO2Module(L.LightningModule):
         self.log_dict({"actor/grad_norm": grad_norm, "train/lr": opt.param_groups[0]["lr"],
                        "train/skipped_steps": float(self.skipped_steps)}, on_step=True)
         self.log_dict(self.progress, prog_bar=True, on_step=True)
-        return None
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -66,3 +66,22 @@ def test_resume_is_exact(tmp_path):
     ka, kb = next(k for k in ma if "Rollout" in k), next(k for k in mb if "Rollout" in k)
     assert ma[ka]["memory"]["records"] == mb[kb]["memory"]["records"]
     assert ma[ka]["novelty"] == mb[kb]["novelty"]
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_keeps_ranks_identical(tmp_path):
+    """Two gloo ranks collect different rollouts, all-reduce gradients and all-gather tips: they must end
+    with identical weights and identical memories."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "empo2.cli", "train", "trainer=ddp", "trainer.accelerator=cpu", *FAST,
+           f"run_root={tmp_path}", "run_name=ddp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0 = json.loads((tmp_path / "ddp" / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "ddp" / "rank1.json").read_text())
+    assert r0["weights_sha256"] == r1["weights_sha256"]
+    assert r0["memory_records"] == r1["memory_records"] and len(r0["memory_records"]) > 0
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["config"]["trainer"]["strategy"] == "ddp"
