@@ -1,4 +1,4 @@
-"""GPU smoke test of the generation engines: one call on a CUDA machine with vllm installed.
+"""GPU smoke test of the generation engines and the fsdp preset: one call on a CUDA machine with vllm installed.
 
     python benchmarks/gpu_smoke.py                        # bundled SmolLM2 (converted cache)
     python benchmarks/gpu_smoke.py --model-path ~/models/Qwen2.5-0.5B-Instruct --enforce-eager
@@ -14,6 +14,7 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
   lora_merge       a LoRA-wrapped policy (random adapters) synced through full_named_tensors agrees
                    with peft's own merge_and_unload
   throughput       vLLM and HFEngine tokens/s on one batch (reported, not checked)
+  fsdp_one_iteration  `empo2 train debug=fast trainer=fsdp`: one iteration with the sharded policy
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -192,6 +195,17 @@ def main() -> int:
             n = sum(len(g.token_ids) for g in eng.generate(batch, params, seed=0))
             out[f"{name}_tok_per_s"] = round(n / (time.perf_counter() - start), 1)
         return out
+
+    @check("fsdp_one_iteration")
+    def _():
+        # a real `empo2 train` with the fsdp preset: sharded policy, bf16 mixed precision, one iteration
+        with tempfile.TemporaryDirectory() as root:
+            cmd = [sys.executable, "-m", "empo2.cli", "train", "debug=fast", "trainer=fsdp", "trainer.devices=1",
+                   "trainer.iterations=1", "engine=hf", f"run_root={root}", "run_name=fsdp"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            summary = json.loads((Path(root) / "fsdp" / "summary.json").read_text())
+        return {"iterations": len(summary["history"]), "strategy": summary["config"]["trainer"]["strategy"]}
 
     return report(args.out)
 

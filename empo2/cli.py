@@ -17,12 +17,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at ru
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SUBCOMMANDS = {
-    "train": "train a policy: `empo2 train [hydra overrides, e.g. algo.p=0.4 env=scienceworld]`",
-    "eval": "evaluate a checkpoint with and without memory (not available in this version)",
-    "adapt": "memory-only adaptation to new tasks, no parameter updates (not available in this version)",
-    "grid": "run an ablation grid of presets x seeds (not available in this version)",
-    "sweep": "Optuna sweep of p, q, delta, beta (not available in this version)",
-    "compare": "MLflow comparison tables and plots (not available in this version)",
+    "train": "train a policy: `empo2 train [experiment=PRESET] [hydra overrides, e.g. algo.p=0.4 env=scienceworld]`",
+    "eval": "score a checkpoint per task: `empo2 eval ckpt=RUN_OR_CKPT [memory=on|off|both] [split=test] "
+            "[variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
+    "adapt": "memory-only adaptation to unseen tasks, no parameter updates: `empo2 adapt [ckpt=...] [trials=K] "
+             "[split=test] [variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
+    "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N]`",
+    "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N]`",
+    "compare": "table and learning curves of an MLflow experiment: "
+               "`empo2 compare --experiment NAME [--group-by preset]`",
     "models": "list the policy presets and whether each is available on this machine",
 }
 
@@ -65,8 +68,69 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_unavailable(args: argparse.Namespace) -> int:
-    raise ConfigError(f"`empo2 {args.command}` is not available in this version")
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from empo2.evaluate import EVAL_OPTIONS, evaluate, int_option, parse_kv, resolve_checkpoint, run_config
+
+    opts, overrides = parse_kv(args.rest, EVAL_OPTIONS)
+    if "ckpt" not in opts:
+        raise ConfigError("ckpt=... is required: a run folder or a .ckpt file")
+    ckpt = resolve_checkpoint(opts["ckpt"])
+    report = evaluate(run_config(ckpt, overrides), ckpt, memory=opts.get("memory", "both"),
+                      split=opts.get("split", "test"), variations=int_option(opts, "variations", None),
+                      rollouts=int_option(opts, "rollouts", 1), tasks=opts.get("tasks"), out=opts.get("out"))
+    print(f"results: {report['json']}")
+    return 0
+
+
+def _cmd_adapt(args: argparse.Namespace) -> int:
+    from empo2.evaluate import ADAPT_OPTIONS, adapt, int_option, parse_kv, resolve_checkpoint, run_config
+
+    opts, overrides = parse_kv(args.rest, ADAPT_OPTIONS)
+    ckpt = resolve_checkpoint(opts["ckpt"]) if "ckpt" in opts else None
+    report = adapt(run_config(ckpt, overrides), ckpt, trials=int_option(opts, "trials", 3),
+                   split=opts.get("split", "test"), variations=int_option(opts, "variations", None),
+                   rollouts=int_option(opts, "rollouts", 1), tasks=opts.get("tasks"), out=opts.get("out"))
+    print(f"results: {report['json']}; curve: {report['curve']}")
+    return 0
+
+
+def _cmd_grid(args: argparse.Namespace) -> int:
+    from empo2.grid import run_grid
+
+    records = run_grid(args.file, seeds=args.seeds, workers=args.workers, overrides=args.overrides)
+    failed = [r for r in records if r["status"] == "failed"]
+    for r in failed:
+        print(f"failed: {r['preset']} seed {r['seed']} (log {r['log']})")
+    return 1 if failed else 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from empo2.sweep import run_sweep
+
+    result = run_sweep(args.file, workers=args.workers, overrides=args.overrides, n_trials=args.n_trials,
+                       timeout=args.timeout, storage=args.storage)
+    return 0 if result["best"] else 1
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from empo2.compare import compare
+
+    uri = args.tracking_uri or f"sqlite:///{Path(args.run_root).expanduser().resolve() / 'mlflow.db'}"
+    out = args.out or Path(args.run_root) / "compare" / args.experiment.replace("/", "_")
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    result = compare(args.experiment, uri, out, group_by=args.group_by, metrics=metrics, storage=args.storage)
+    print(Path(result["table"]).read_text(), end="")
+    print(f"written to {result['out']}: compare.md, compare.csv, {len(result['curves'])} curves"
+          + (f", {len(result['sweep'])} sweep files" if result["sweep"] else ""))
+    return 0
+
+
+def _add_run_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("file", help=f"the {what} YAML file")
+    p.add_argument("overrides", nargs="*", help="config overrides applied to every run, e.g. model=tiny")
+    p.add_argument("--workers", type=int, default=1, help="local worker processes running at once (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,19 +146,49 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=_cmd_train)
         elif name == "models":
             p.set_defaults(func=_cmd_models)
+        elif name in ("eval", "adapt"):
+            p.add_argument("rest", nargs=argparse.REMAINDER, help="key=value options and config overrides")
+            p.set_defaults(func=_cmd_eval if name == "eval" else _cmd_adapt)
+        elif name == "grid":
+            _add_run_options(p, "grid")
+            p.add_argument("--seeds", help="a count (3: seeds 0,1,2) or a list (0,5,7); default: the file's seeds")
+            p.set_defaults(func=_cmd_grid)
+        elif name == "sweep":
+            _add_run_options(p, "sweep")
+            p.add_argument("--n-trials", type=int, help="the study's total number of trials (default: the file's)")
+            p.add_argument("--timeout", type=float, help="seconds after which no new trial starts")
+            p.add_argument("--storage", help="Optuna storage URL (default: the file's, else sqlite in the run root)")
+            p.set_defaults(func=_cmd_sweep)
         else:
-            p.add_argument("rest", nargs=argparse.REMAINDER)
-            p.set_defaults(func=_cmd_unavailable)
+            p.add_argument("--experiment", required=True, help="MLflow experiment name")
+            p.add_argument("--group-by", default="preset", help="tag or parameter that groups runs (default preset)")
+            p.add_argument("--metrics", help="comma-separated metrics (default: validation and rollout scores)")
+            p.add_argument("--run-root", default="outputs", help="where the runs and mlflow.db live")
+            p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite in the run root)")
+            p.add_argument("--out", help="output folder (default <run-root>/compare/<experiment>)")
+            p.add_argument("--storage", help="Optuna storage URL of a sweep, if not the one recorded")
+            p.set_defaults(func=_cmd_compare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may follow options (`grid FILE --seeds 3 model=tiny`); argparse leaves those over
+    if extra and (not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    from empo2.lit.module import NonFiniteLossError
+
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"empo2 {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:  # a diverged run: one line, the checkpoint it saved is named in it
+        print(f"empo2 {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -194,6 +194,8 @@ class LoggerConfig:
     tracking_uri: str | None = opt(None, "MLflow tracking URI; null uses sqlite:///<run_root>/mlflow.db.",
                                    nullable=True)
     experiment: str = opt("empo2", "MLflow experiment name.")
+    tags: dict = opt({}, "Extra MLflow run tags, e.g. `+logger.tags.team=nlp`. Grids add `grid` and `seed`, sweeps "
+                     "`sweep`, `trial` and the study's parent run; the preset name is added as `preset`.")
 
 
 # ----------------------------------------------------------------------------------------------- debug
@@ -214,6 +216,10 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    experiment: str | None = opt(None, "Preset applied before the other overrides: a name from experiments/ "
+                                 "(`empo2 train experiment=grpo_minisci`) or the path of a preset YAML such as a "
+                                 "sweep's best.yaml. The command line's own overrides win over the preset's.",
+                                 nullable=True)
     seed: int = opt(0, "Seed of every random draw (task sampling, modes, generation).", ge=0)
     run_root: str = opt("outputs", "Directory under which each run gets its own folder.")
     run_name: str | None = opt(None, "Run folder name; null uses a timestamp.", nullable=True)
@@ -272,17 +278,26 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     """Compose `conf/<config_name>.yaml` with command-line style overrides (`algo.p=0.4`, `env=scienceworld`)
     into a validated `TrainConfig`. Any problem raises `ConfigError` with a single line."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from empo2.experiments import expand_experiment
+
+    overrides = expand_experiment(list(overrides or []))  # a preset's overrides go first, so later ones win
+    # The dataclasses are the schema under the YAML files (`- empo2_schema` heads train.yaml's defaults), so
+    # every documented field can be overridden even where a group's YAML does not mention it.
+    ConfigStore.instance().store(name="empo2_schema", node=TrainConfig)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
-            raw = compose(config_name=config_name, overrides=list(overrides or []))
+            raw = compose(config_name=config_name, overrides=overrides)
         schema = OmegaConf.structured(TrainConfig)
         OmegaConf.set_struct(schema, True)  # unknown keys are errors, not silently kept
+        OmegaConf.set_struct(schema.logger.tags, False)  # free-form: any tag name is allowed
+        _reject_unknown_keys(OmegaConf.to_container(raw, resolve=False), TrainConfig, "")
         merged = OmegaConf.merge(schema, raw)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException) as e:
@@ -290,6 +305,20 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     finally:
         GlobalHydra.instance().clear()
     return validate(cfg)
+
+
+def _reject_unknown_keys(node: dict, cls: type, prefix: str) -> None:
+    """`+group.key=value` adds keys Hydra does not know; with the schema underneath, OmegaConf would keep
+    them silently, so every key is checked against the dataclass fields (dict-typed fields are free-form)."""
+    defaults = cls()
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in node.items():
+        if key not in names:
+            where = prefix.rstrip(".") or "the root config"
+            raise ConfigError(f"{prefix}{key}: unknown key (the fields of {where} are listed in empo2/config.py)")
+        group = getattr(defaults, key)
+        if dataclasses.is_dataclass(group) and isinstance(value, dict):
+            _reject_unknown_keys(value, type(group), f"{prefix}{key}.")
 
 
 def _one_line(e: Exception) -> str:

@@ -7,13 +7,14 @@ novelty counter) inside `RolloutCallback`. One Lightning epoch is one iteration.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from empo2.config import TrainConfig, to_dict
+from empo2.config import ConfigError, TrainConfig, to_dict
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.models import load_policy
 from empo2.utils import atomic_write_json, make_run_dir, seed_everything
@@ -68,20 +69,54 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
 
 
 def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
-    """Newest checkpoint of the run that loads; a truncated or corrupt one is reported and skipped."""
+    """Newest checkpoint of the run that loads (`weights_only=True`: nothing in the file is executed).
+
+    A truncated or corrupt one is reported and renamed to `<name>.unreadable`: kept for inspection, and out
+    of the way of the next save, which Lightning would otherwise write as `last-v1.ckpt` beside the broken
+    `last.ckpt`, leaving the broken file as the run's `last.ckpt`.
+    """
     candidates = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in candidates:
         try:
             torch.load(path, map_location="cpu", weights_only=True)
             return path
-        except Exception as e:  # a torn write or garbage: fall back to an older one
-            print(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); trying an older one")
+        except Exception as e:  # a torn write, garbage or pickled code: fall back to an older one
+            aside = path.with_name(path.name + ".unreadable")
+            reason = (str(e).strip().splitlines() or [""])[0][:80]
+            print(f"checkpoint {path} is unreadable ({type(e).__name__}: {reason}); moved to {aside.name}, "
+                  f"trying an older one")
+            with contextlib.suppress(FileNotFoundError):  # another node's process on a shared disk was first
+                os.replace(path, aside)
     return None
 
 
 def tracking_uri(cfg: TrainConfig) -> str:
     """The run's MLflow tracking URI: `logger.tracking_uri`, else a sqlite file under the run root."""
     return cfg.logger.tracking_uri or f"sqlite:///{Path(cfg.run_root).expanduser().resolve() / 'mlflow.db'}"
+
+
+def check_tracking(cfg: TrainConfig) -> None:
+    """Fail before any work when the MLflow tracking store cannot be reached (a server that is down, a
+    sqlite file that cannot be opened), instead of at the first metric, minutes or hours in."""
+    if cfg.logger.name == "none":
+        return
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    # One quick attempt: MLflow's default is 7 retries with back-off and a 120 s timeout per request.
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    saved = {k: os.environ.get(k) for k in quick}
+    os.environ.update({k: v for k, v in quick.items() if saved[k] is None})
+    try:
+        mlflow.MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"logger.tracking_uri={uri!r} cannot be reached: {reason} "
+                          f"(start the tracking server, fix the URI, or use logger=none)") from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
 
 
 def _logger(cfg: TrainConfig, run_dir: Path):
@@ -132,13 +167,16 @@ def plot_curves(history: list[dict], path: Path) -> None:
 def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
     from empo2.lit.callbacks import RolloutCallback
+    from empo2.lit.checkpoint_io import AtomicCheckpointIO, remove_torn_writes
     from empo2.lit.data import RolloutDataModule
     from empo2.lit.module import EMPO2Module
+    from empo2.lit.strategy import build_strategy
 
     t0 = time.time()
+    check_tracking(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
@@ -156,15 +194,22 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
                               save_top_k=-1, save_last=True, save_on_train_epoch_end=True)
     logger = _logger(cfg, run_dir)
+    progress = RichProgressBar(leave=True)  # shows iteration (epoch), return, success and memory size
     trainer = L.Trainer(
         max_epochs=t.iterations, accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-        strategy=t.strategy, precision=t.precision, logger=logger if logger is not None else False,
-        callbacks=[rollout_cb, ckpt_cb, *(callbacks or [])], default_root_dir=str(run_dir), log_every_n_steps=1,
+        strategy=build_strategy(cfg, model), precision=t.precision,
+        logger=logger if logger is not None else False,
+        callbacks=[rollout_cb, ckpt_cb, progress, *(callbacks or [])], default_root_dir=str(run_dir),
+        log_every_n_steps=1,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-        enable_model_summary=False, detect_anomaly=cfg.debug.detect_anomaly)
+        enable_model_summary=False, detect_anomaly=cfg.debug.detect_anomaly, plugins=[AtomicCheckpointIO()])
     if logger is not None and trainer.is_global_zero:  # written at once, so a killed run resumes into the same run
         (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
-    ckpt_path = find_resume_checkpoint(ckpt_dir) if cfg.resume == "auto" and ckpt_dir.is_dir() else None
+    ckpt_path = None
+    if cfg.resume == "auto" and ckpt_dir.is_dir():
+        for torn in remove_torn_writes(ckpt_dir):
+            print(f"removed {torn}, a checkpoint write that was interrupted before it completed")
+        ckpt_path = find_resume_checkpoint(ckpt_dir)
     if ckpt_path:
         print(f"resuming from {ckpt_path}")
     try:

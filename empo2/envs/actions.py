@@ -20,6 +20,9 @@ def parse_action(text: str) -> str:
     """First non-empty line of `text`, without control bytes, quotes, "Action:" prefixes or case."""
     if not isinstance(text, str):
         text = str(text)
+    # Lone surrogates (bytes decoded with errors="surrogateescape") cannot be encoded as UTF-8, which is
+    # what py4j sends to the ScienceWorld JVM: one would fail the call and the episode. They become U+FFFD.
+    text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     text = _CONTROL.sub(" ", text.replace("\r", "\n"))
     line = next((ln for ln in text.split("\n") if ln.strip()), "")
     line = _PREFIX.sub("", line.strip())

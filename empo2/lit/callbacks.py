@@ -23,6 +23,7 @@ import torch.distributed as dist
 from empo2 import core_algos
 from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
+from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.rollout.collector import RolloutCollector
 
@@ -74,6 +75,7 @@ class RolloutCallback(L.Callback):
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, it, rank, 1))
         self.collector.add_tips = world == 1
         batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
+        maybe_fail("rollout", it)
         if world > 1:
             self._share_tips(batch.new_tips)
             batch.stats["memory/size"] = float(len(self.collector.memory or []))

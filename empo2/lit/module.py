@@ -11,18 +11,22 @@ finite, in which case the step is skipped and counted.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import lightning as L
 import torch
 
 from empo2 import core_algos
 from empo2.config import AlgoConfig, TrainerConfig
+from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.rollout.types import StepSample
 
+NONFINITE_CHECKPOINT = "nonfinite.ckpt"
+
 
 class NonFiniteLossError(RuntimeError):
-    """Raised after `trainer.max_nonfinite_steps` consecutive skipped steps."""
+    """Raised after `trainer.max_nonfinite_steps` consecutive skipped steps (a checkpoint is saved first)."""
 
 
 class EMPO2Module(L.LightningModule):
@@ -102,6 +106,7 @@ class EMPO2Module(L.LightningModule):
             self._totals[k] = self._totals.get(k, 0.0) + v * micro.share
         if micro.last:
             self._step()
+            maybe_fail("update", self.buffer.iteration)
 
     def _step(self) -> None:
         opt = self.optimizers()
@@ -113,9 +118,14 @@ class EMPO2Module(L.LightningModule):
             self.consecutive_skips += 1
             self.log("train/skipped_steps", float(self.skipped_steps))
             if self.consecutive_skips >= self.tcfg.max_nonfinite_steps:
+                # Saved here, while every rank still takes part (all of them skip the same steps), for
+                # post-mortem inspection; kept out of checkpoints/ so `resume=auto` restarts from the last
+                # iteration that ended cleanly rather than from the middle of this one.
+                path = Path(self.trainer.default_root_dir) / NONFINITE_CHECKPOINT
+                self.trainer.save_checkpoint(path)
                 raise NonFiniteLossError(
                     f"{self.consecutive_skips} consecutive updates had a non-finite loss or gradient "
-                    f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps})")
+                    f"(trainer.max_nonfinite_steps={self.tcfg.max_nonfinite_steps}); stopped, state saved to {path}")
             return
         self.consecutive_skips = 0
         self._set_lr(opt)

@@ -347,6 +347,11 @@ class TipMemory:
         if not isinstance(raw, list):
             raise ValueError(f"corrupt tip memory records in {where}: 'records' is not a list")
         records = [TipRecord.from_json(r, f"{where}: record {n}") for n, r in enumerate(raw)]
+        for n, record in enumerate(records):  # an edited file must not smuggle a line or tag into a prompt
+            try:
+                check_tip_line(record.text)
+            except ValueError as err:
+                raise ValueError(f"corrupt tip memory records in {where}: record {n}: {err}") from None
         if embeddings.ndim != 2 or embeddings.shape != (len(records), self.dim):
             raise ValueError(f"tip memory embeddings in {where} have shape {embeddings.shape}, "
                              f"expected ({len(records)}, {self.dim}) for the stored records")

@@ -220,6 +220,9 @@ class PromptBuilder:
         text = text.strip() if strip else text
         if not text:
             return ()
+        # Lone surrogates (bytes decoded with errors="surrogateescape") are not valid text: Rust
+        # tokenizers refuse them with a TypeError. They become U+FFFD, as undecodable bytes do elsewhere.
+        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
         return tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def _check_content_encoding(self) -> None:

@@ -1,0 +1,176 @@
+"""`empo2 compare`: final metrics and learning curves of an MLflow experiment, grouped (by preset, say).
+
+For every finished run of the experiment it reads the final value of each metric (MLflow's latest,
+which is what the run's summary.json holds as well) and its history, groups the runs by a tag
+(`preset`, `grid`, `trial`, ...) or a logged parameter, and writes:
+
+- `compare.md` and `compare.csv`: per group the number of runs and mean ± std (sample std over
+  runs, i.e. seeds) of each metric;
+- `curve_<metric>.png`: per group the mean learning curve over runs with a ±1 std band;
+- for every Optuna study in the experiment (its parent run is tagged `empo2.role=study`):
+  `importance_<study>.png` (parameter importances) and `trials_<study>.csv` (every trial).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from empo2.config import ConfigError
+
+DEFAULT_METRICS = ("val/score_nomem", "val/success_nomem", "val/score_mem", "val/success_mem", "rollout/score",
+                   "rollout/success", "rollout/return")
+STUDY_ROLE = ("empo2.role", "study")
+
+
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        path = tracking_uri[len("sqlite:///"):]
+        raise ConfigError(f"no MLflow database at {path} (give --tracking-uri or --run-root)")
+    return MlflowClient(tracking_uri)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std (ddof=1); the std of a single run is NaN, not 0: one seed shows no spread."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
+
+
+def _fmt(mean: float, std: float) -> str:
+    if math.isnan(mean):
+        return "—"  # no run of the group logs this metric (e.g. val/score_mem without memory)
+    return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+
+
+def _group_order(name: str) -> tuple:
+    """Numeric groups (seeds, trial numbers) in numeric order, then the rest alphabetically."""
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str = "preset",
+            metrics: list[str] | None = None, storage: str | None = None) -> dict:
+    """Write the table, the curves and (for sweeps) the importance plots; returns the table rows
+    and the paths written. `storage` overrides the Optuna storage URL recorded on a study's run."""
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise ConfigError(f"no MLflow experiment {experiment!r} in {tracking_uri} (found: {', '.join(names)})")
+    runs = client.search_runs([exp.experiment_id], max_results=50000)
+    studies = [r for r in runs if r.data.tags.get(STUDY_ROLE[0]) == STUDY_ROLE[1]]
+    study_ids = {r.info.run_id for r in studies}
+    finished = [r for r in runs if r.info.status == "FINISHED" and r.info.run_id not in study_ids and r.data.metrics]
+    if not finished:
+        raise ConfigError(f"experiment {experiment!r} has no finished runs with metrics")
+    groups: dict[str, list] = defaultdict(list)
+    for r in finished:
+        key = r.data.tags.get(group_by, r.data.params.get(group_by))
+        groups[str(key) if key is not None else "(none)"].append(r)
+    present = {k for r in finished for k in r.data.metrics}
+    metrics = list(metrics) if metrics else [m for m in DEFAULT_METRICS if m in present]
+    missing = [m for m in metrics if m not in present]
+    if missing or not metrics:
+        raise ConfigError(f"metric {missing[0] if missing else '(none)'} is not logged by any run of {experiment!r} "
+                          f"(logged: {', '.join(sorted(present))})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    rows = []
+    for name in sorted(groups, key=_group_order):
+        row = {"group": name, "runs": len(groups[name])}
+        for m in metrics:
+            values = [r.data.metrics[m] for r in groups[name] if m in r.data.metrics]
+            row[m] = _mean_std(values) if values else (math.nan, math.nan)
+        rows.append(row)
+    table_md, table_csv = out / "compare.md", out / "compare.csv"
+    _write_tables(rows, metrics, group_by, experiment, table_md, table_csv)
+    curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png") for m in metrics]
+    sweep_files = []
+    for study_run in studies:
+        sweep_files += _study_outputs(study_run, storage, out)
+    return {"rows": rows, "metrics": metrics, "table": str(table_md), "csv": str(table_csv),
+            "curves": [str(p) for p in curves], "sweep": [str(p) for p in sweep_files], "out": str(out)}
+
+
+def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experiment: str, md: Path, csv_path: Path):
+    head = [group_by, "runs", *metrics]
+    lines = [f"# {experiment}: final metrics, mean ± std over runs", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for row in rows:
+        lines.append("| " + " | ".join([str(row["group"]), str(row["runs"])] + [_fmt(*row[m]) for m in metrics]) + " |")
+    md.write_text("\n".join(lines) + "\n")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([group_by, "runs"] + [f"{m} {s}" for m in metrics for s in ("mean", "std")])
+        for row in rows:
+            w.writerow([row["group"], row["runs"]] + [repr(v) for m in metrics for v in row[m]])
+
+
+def _plot_curve(client, groups: dict, metric: str, path: Path) -> Path:
+    """Mean over a group's runs at every step that at least one run reached, ±1 std shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted(groups, key=_group_order):
+        per_step: dict[int, list[float]] = defaultdict(list)
+        for r in groups[name]:
+            for point in client.get_metric_history(r.info.run_id, metric):
+                per_step[point.step].append(point.value)
+        if not per_step:
+            continue
+        steps = sorted(per_step)
+        mean = np.array([np.mean(per_step[s]) for s in steps])
+        std = np.array([np.std(per_step[s], ddof=1) if len(per_step[s]) > 1 else 0.0 for s in steps])
+        line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} (n={len(groups[name])})")[0]
+        ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(metric)
+    ax.set_title(metric)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _study_outputs(study_run, storage: str | None, out: Path) -> list[Path]:
+    """Importance plot and trial table of the Optuna study behind a sweep's parent run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna
+
+    from empo2.sweep import open_storage
+
+    name = study_run.data.tags.get("optuna.study", study_run.info.run_name)
+    url = storage or study_run.data.tags.get("optuna.storage")
+    if not url:
+        raise ConfigError(f"study {name}: its storage is not recorded; give --storage")
+    study = optuna.load_study(study_name=name, storage=open_storage(url))
+    written = [out / f"trials_{_slug(name)}.csv"]
+    study.trials_dataframe().to_csv(written[0], index=False)
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if len(complete) < 2 or len({t.value for t in complete}) < 2:
+        print(f"study {name}: parameter importance needs two completed trials with different values; skipped")
+        return written
+    optuna.visualization.matplotlib.plot_param_importances(study)
+    path = out / f"importance_{_slug(name)}.png"
+    plt.gcf().tight_layout()
+    plt.savefig(path, dpi=100)
+    plt.close("all")
+    return written + [path]

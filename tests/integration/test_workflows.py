@@ -1,0 +1,240 @@
+"""The research workflows end to end, through the `empo2` command: an ablation grid, an Optuna sweep,
+the MLflow comparison, evaluation and memory-only adaptation. Real worker processes, real MLflow
+(sqlite), real Optuna storage (sqlite), real Lightning and the tiny model."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+
+from empo2.config import ConfigError, load_config
+from empo2.envs import get_catalogue
+from empo2.evaluate import adapt, resolve_checkpoint, run_config
+from empo2.experiments import EXPERIMENTS_DIR
+from empo2.grid import plan_grid, run_grid
+from empo2.sweep import load_sweep, run_sweep
+from empo2.train import train
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+# tests/integration/test_training.py's FAST budget, tracked in MLflow (no logger=none)
+FAST = ["model=tiny", "trainer.iterations=2", "trainer.mini_batch_size=4", "trainer.micro_batch_size=2",
+        "trainer.lr=1e-3", "trainer.val_every=1", "trainer.ckpt_every=1", "rollout.tasks_per_batch=2",
+        "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.tip_max_new_tokens=12",
+        "rollout.max_prompt_tokens=384", "env.max_steps=3", "env.val_variations=1"]
+GRID_PRESETS = ["empo2_official_minisci", "grpo_minisci"]
+# final metrics that differ between seeds and presets even for a random tiny model
+COMPARED = ["rollout/return", "intrinsic/mean_reward", "memory/size", "val/score_nomem"]
+
+
+def empo2(*args, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+    return proc
+
+
+def _runs(uri, experiment):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """A 2 presets x 2 seeds grid, run once by the command with 2 worker processes."""
+    root = tmp_path_factory.mktemp("grid")
+    path = root / "mini.yaml"
+    path.write_text(json.dumps({"name": "mini", "mlflow_experiment": "mini-grid", "presets": GRID_PRESETS,
+                                "overrides": FAST}))
+    proc = empo2("grid", path, "--seeds", 2, "--workers", 2, f"run_root={root / 'runs'}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"file": path, "root": root / "runs", "uri": f"sqlite:///{root / 'runs' / 'mlflow.db'}",
+            "stdout": proc.stdout}
+
+
+def test_grid_runs_every_preset_and_seed_into_one_tagged_experiment(grid):
+    runs = _runs(grid["uri"], "mini-grid")
+    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
+    tags = sorted((r.data.tags["preset"], r.data.tags["seed"], r.data.tags["grid"]) for r in runs)
+    assert tags == sorted((p, str(s), "mini") for p in GRID_PRESETS for s in (0, 1))
+    for r in runs:
+        summary = json.loads((grid["root"] / "mini" / f"{r.data.tags['preset']}-s{r.data.tags['seed']}"
+                              / "summary.json").read_text())
+        assert summary["mlflow_run_id"] == r.info.run_id
+        assert summary["config"]["seed"] == int(r.data.tags["seed"])
+        assert summary["config"]["experiment"] == r.data.tags["preset"]
+
+
+def test_a_second_grid_invocation_skips_every_finished_run(grid):
+    summaries = sorted(grid["root"].glob("mini/*/summary.json"))
+    stamps = [p.stat().st_mtime_ns for p in summaries]
+    proc = empo2("grid", grid["file"], "--seeds", 2, "--workers", 2, f"run_root={grid['root']}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 runs, 4 already finished, 0 to run" in proc.stdout
+    assert "started" not in proc.stdout
+    assert [p.stat().st_mtime_ns for p in summaries] == stamps
+    assert len(_runs(grid["uri"], "mini-grid")) == 4
+
+
+def test_the_grid_refuses_to_skip_a_run_made_with_another_config(grid):
+    with pytest.raises(ConfigError, match=r"trainer\.lr=0\.001 \(this grid wants 0\.002\)"):
+        run_grid(grid["file"], seeds=2, overrides=[f"run_root={grid['root']}", "trainer.lr=2e-3"])
+
+
+def test_compare_table_and_curves_match_the_runs_summaries(grid):
+    out = grid["root"] / "cmp"
+    proc = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
+                 "--metrics", ",".join(COMPARED))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    finals = {p: [json.loads((grid["root"] / "mini" / f"{p}-s{s}" / "summary.json").read_text())["metrics"]
+                  for s in (0, 1)] for p in GRID_PRESETS}
+    with open(out / "compare.csv") as f:
+        rows = {r["preset"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(GRID_PRESETS)
+    for preset, metrics in finals.items():
+        assert rows[preset]["runs"] == "2"
+        for m in COMPARED:
+            values = [x[m] for x in metrics]
+            assert float(rows[preset][f"{m} mean"]) == pytest.approx(np.mean(values), abs=1e-12)
+            assert float(rows[preset][f"{m} std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-12)
+    assert any(float(rows[p]["rollout/return std"]) > 0 for p in GRID_PRESETS), "seeds should differ"
+    table = (out / "compare.md").read_text()
+    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS)
+    for m in COMPARED:
+        png = out / f"curve_{m.replace('/', '_')}.png"
+        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_scores_a_checkpoint_per_task_with_and_without_memory(grid):
+    run_dir = grid["root"] / "mini" / "empo2_official_minisci-s0"
+    out = grid["root"] / "eval"
+    proc = empo2("eval", f"ckpt={run_dir}", "memory=both", "split=test", "variations=1", f"out={out}",
+                 "rollout.val_temperature=0.7")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "eval_test.json").read_text())
+    assert report["config"]["rollout"]["val_temperature"] == 0.7  # the override on top of the run's config
+    assert report["config"]["model"]["name"] == "tiny"  # the rest is the run's own config
+    tasks = get_catalogue("minisci").tasks()  # the run trained on all in-distribution tasks
+    for mode in ("nomem", "mem"):
+        res = report["modes"][mode]
+        assert sorted(res["per_task"]) == sorted(tasks) and res["episodes"] == len(tasks)
+        assert all(0 <= t["score"] <= 100 and 0 <= t["success"] <= 1 for t in res["per_task"].values())
+    table = (out / "eval_test.md").read_text()
+    assert "score (nomem)" in table and "success (mem)" in table and "**all**" in table
+
+
+def test_adapt_accumulates_tips_over_trials_without_training(grid):
+    ckpt = resolve_checkpoint(str(grid["root"] / "mini" / "grpo_minisci-s0"))  # a run trained without memory
+    cfg = run_config(ckpt, ["memory.min_sim=-1"])  # every stored tip of the variation is retrieved
+    out = grid["root"] / "adapt"
+    report = adapt(cfg, ckpt, trials=3, variations=1, out=out)
+    trials = report["trials"]
+    assert [t["trial"] for t in trials] == [1, 2, 3]
+    assert report["tasks"] == ["change-state"]  # MiniSci's held-out task
+    assert trials[0]["tips_retrieved"] == 0 and trials[0]["memory_size"] > 0
+    assert 0 < trials[1]["tips_retrieved"] < trials[2]["tips_retrieved"]
+    assert trials[0]["memory_size"] < trials[1]["memory_size"] < trials[2]["memory_size"]
+    saved = json.loads((out / "adapt.json").read_text())
+    assert saved["trials"] == json.loads(json.dumps(trials))
+    assert (out / "adapt_curve.png").read_bytes()[:4] == b"\x89PNG" and "| 3 |" in (out / "adapt.md").read_text()
+
+
+SWEEP = {
+    "study": "tiny-sweep", "mlflow_experiment": "tiny-sweep", "preset": "grpo_minisci",
+    "overrides": [o for o in FAST if not o.startswith("trainer.iterations")] + ["trainer.iterations=1"],
+    # at iteration 0 every trial plays the same episodes, so the return differs only through beta
+    "metric": "rollout/return", "direction": "maximize", "n_trials": 4, "seed": 0,
+    # aggressive: judged from the first validation on, as soon as two trials have completed
+    "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0},
+    "space": {"algo.beta_start": {"type": "float", "low": 0.0, "high": 1.0},
+              "algo.q": {"type": "float", "low": 0.0, "high": 1.0}},
+    # trials 0 and 1 complete whatever the order; the last trial then meets the median of two
+    # higher-beta trials and is pruned
+    "enqueue": [{"algo.beta_start": 0.8, "algo.q": 0.2}, {"algo.beta_start": 1.0, "algo.q": 0.8},
+                {"algo.beta_start": 0.0, "algo.q": 0.5}, {"algo.beta_start": 0.0, "algo.q": 0.5}],
+}
+
+
+@pytest.mark.slow
+def test_sweep_with_two_workers_prunes_nests_and_writes_a_usable_best_file(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(SWEEP))
+    root = tmp_path / "runs"
+    proc = empo2("sweep", path, "--workers", 2, f"run_root={root}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    study = optuna.load_study(study_name="tiny-sweep", storage=f"sqlite:///{root / 'optuna.db'}")
+    states = [t.state for t in study.trials]
+    assert len(states) == 4 and optuna.trial.TrialState.PRUNED in states
+    assert states[:2] == [optuna.trial.TrialState.COMPLETE] * 2
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert all(t.params["algo.beta_start"] == 0.0 and t.intermediate_values for t in pruned)
+    assert study.best_trial.number == 1
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    runs = _runs(uri, "tiny-sweep")
+    parent = [r for r in runs if r.data.tags.get("empo2.role") == "study"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parent) == 1 and len(children) == 4
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent[0].info.run_id}
+    assert sorted(r.data.tags["optuna.state"] for r in children) == sorted(s.name for s in states)
+
+    best = root / "tiny-sweep" / "best.yaml"
+    assert "base: grpo_minisci" in best.read_text()
+    summary = train(load_config([f"experiment={best}", f"run_root={root}", "run_name=best", "logger=none"]))
+    assert (summary["config"]["algo"]["beta_start"], summary["config"]["algo"]["q"]) == (1.0, 0.8)
+    assert summary["config"]["experiment"] == str(best)
+
+    again = run_sweep(path, workers=2, overrides=[f"run_root={root}"])  # the same study, continued: already done
+    assert again["counts"] == {s.name.lower(): states.count(s) for s in set(states)} | {"fail": 0}
+    assert len(optuna.load_study(study_name="tiny-sweep", storage=f"sqlite:///{root / 'optuna.db'}").trials) == 4
+    assert again["mlflow_parent_run_id"] == parent[0].info.run_id
+    assert len([r for r in _runs(uri, "tiny-sweep") if r.data.tags.get("empo2.role") == "study"]) == 1
+
+    cmp = empo2("compare", "--experiment", "tiny-sweep", "--run-root", root, "--group-by", "trial")
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    out = root / "compare" / "tiny-sweep"
+    assert (out / "importance_tiny-sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((out / "trials_tiny-sweep.csv").read_text().splitlines()) == 5
+
+
+def test_grid_files_plan_every_preset_and_seed():
+    grid_id, runs = plan_grid(EXPERIMENTS_DIR / "ablations_minisci.yaml", seeds="0,4", overrides=["model=tiny"])
+    assert grid_id == "ablations_minisci" and len(runs) == 12
+    r = runs[-1]
+    assert (r.preset, r.seed, r.cfg.seed, r.cfg.model.name) == ("memory_only_minisci", 4, 4, "tiny")
+    assert r.cfg.logger.tags == {"grid": "ablations_minisci", "seed": "4"}
+    assert r.cfg.run_name == "ablations_minisci/memory_only_minisci-s4"
+    assert {x.cfg.logger.experiment for x in runs} == {"empo2-ablations-minisci"}
+    _, gpu_runs = plan_grid(EXPERIMENTS_DIR / "ablations.yaml", seeds=1)
+    assert [r.preset for r in gpu_runs] == ["empo2_paper", "empo2_official", "grpo", "no_offpolicy",
+                                            "no_intrinsic", "memory_only"]
+
+
+def test_shipped_sweeps_load():
+    for name in ("empo2", "empo2_minisci"):
+        spec = load_sweep(Path(EXPERIMENTS_DIR).parent / "sweeps" / f"{name}.yaml")
+        assert {"algo.p", "algo.q", "algo.delta", "algo.beta_start"} <= {p.key for p in spec.space}
+        delta = next(p for p in spec.space if p.key == "algo.delta")
+        assert delta.log and delta.low > 0
+        assert load_config(spec.base).experiment == spec.preset
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["grid", "nope.yaml"], "grid file nope.yaml: no such file"),
+    (["sweep", "nope.yaml"], "sweep file nope.yaml: no such file"),
+    (["train", "experiment=no_such"], "experiment=no_such: unknown preset"),
+    (["eval", "ckpt=/nowhere"], "ckpt=/nowhere: no checkpoint there"),
+    (["compare", "--experiment", "x", "--run-root", "/nowhere"], "no MLflow database at /nowhere/mlflow.db"),
+])
+def test_user_mistakes_exit_2_with_one_line(args, needle):
+    proc = empo2(*args, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("empo2 ")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
