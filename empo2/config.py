@@ -65,6 +65,10 @@ class EnvConfig:
                     choices=("minisci", "scienceworld", "textworld"))
     tasks: list = opt([], "Task names to train on; empty means every in-distribution task of the catalogue.")
     train_split: str = opt("train", "Variation split sampled for training rollouts.", choices=("train", "dev", "test"))
+    train_variations: int | None = opt(None, "Train only on the first N variations of each task's train split "
+                                       "(released code: 5). Tips live in one slot per variation, so they only help "
+                                       "when a variation recurs; null samples from every train variation.",
+                                       gt=0, nullable=True)
     val_split: str = opt("test", "Variation split of the fixed validation list.", choices=("train", "dev", "test"))
     val_variations: int = opt(4, "Variations per task in the fixed validation list (the first ones of "
                               "`val_split`, so validation never drifts between runs).", gt=0)
@@ -184,6 +188,8 @@ class TrainerConfig:
     grad_clip: float = opt(1.0, "Global gradient-norm clip.", gt=0)
     max_nonfinite_steps: int = opt(5, "Consecutive skipped non-finite steps before the run stops.", gt=0)
     val_every: int = opt(5, "Validate every this many iterations.", gt=0)
+    val_memory: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
+                           "(`val/*_nomem`) measures what the weights alone learned.")
     ckpt_every: int = opt(5, "Checkpoint every this many iterations.", gt=0)
 
 

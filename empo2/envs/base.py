@@ -79,12 +79,14 @@ class Catalogue:
             raise ValueError(f"unknown task {task!r}; known: {sorted(self.variations)}")
         return self.variations[task][split]
 
-    def sample(self, n: int, split: str, seed: int, tasks: list[str] | None = None) -> list[TaskSpec]:
-        """`n` task instances drawn uniformly over (task, variation) pairs of `split`, reproducible from
-        `seed` alone (a local generator: no global RNG state is read or changed)."""
+    def sample(self, n: int, split: str, seed: int, tasks: list[str] | None = None,
+               variations: int | None = None) -> list[TaskSpec]:
+        """`n` task instances drawn uniformly over (task, variation) pairs of `split` (only the first
+        `variations` of each task's split when given), reproducible from `seed` alone (a local generator:
+        no global RNG state is read or changed)."""
         import random
 
-        pool = [TaskSpec(t, v) for t in (tasks or self.tasks()) for v in self.split(t, split)]
+        pool = [TaskSpec(t, v) for t in (tasks or self.tasks()) for v in self.split(t, split)[:variations]]
         if not pool:
             raise ValueError(f"no task instances in split {split!r} for tasks {tasks or self.tasks()}")
         rng = random.Random(seed)

@@ -71,7 +71,8 @@ class RolloutCallback(L.Callback):
         self.collector.settings.beta = core_algos.beta_at(it, cfg.trainer.iterations, cfg.algo.beta_start,
                                                           cfg.algo.beta_end, cfg.algo.beta_schedule)
         tasks = self.catalogue.sample(cfg.rollout.tasks_per_batch * world, cfg.env.train_split,
-                                      seed=derive_seed(cfg.seed, it), tasks=cfg.env.tasks or None)
+                                      seed=derive_seed(cfg.seed, it), tasks=cfg.env.tasks or None,
+                                      variations=cfg.env.train_variations)
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, it, rank, 1))
         self.collector.add_tips = world == 1
         batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
@@ -105,9 +106,10 @@ class RolloutCallback(L.Callback):
         self.iteration += 1
 
     def validate(self, iteration: int) -> dict[str, float]:
-        """Score the fixed validation list without memory and, if tips exist, with it."""
+        """Score the fixed validation list without memory and, with `trainer.val_memory`, with it."""
         out = {}
-        modes = [("nomem", False)] + ([("mem", True)] if self.collector.memory is not None else [])
+        with_memory = self.cfg.trainer.val_memory and self.collector.memory is not None
+        modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
         for name, use_memory in modes:
             generator = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 2**20, name == "mem"))
             saved = self.collector.settings.temperature

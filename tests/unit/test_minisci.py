@@ -365,3 +365,13 @@ def test_wrong_paints_mix_to_brown():
         world.add(Thing(f"{colour} paint", portable=True, colour=colour), "bowl")
     assert world.mix("bowl") == "brown paint" and world.things["bowl"].contents == ["brown paint"]
     assert world.mix("bowl") is None
+
+
+def test_catalogue_sample_can_be_limited_to_the_first_train_variations():
+    from empo2.envs import get_catalogue
+
+    cat = get_catalogue("minisci")
+    drawn = cat.sample(200, "train", seed=3, variations=2)
+    allowed = {(t, v) for t in cat.tasks() for v in cat.split(t, "train")[:2]}
+    assert {(s.task, s.variation) for s in drawn} == allowed  # 200 draws cover all 8 instances, nothing else
+    assert cat.sample(5, "train", seed=3, variations=2) == cat.sample(5, "train", seed=3, variations=2)
