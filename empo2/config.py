@@ -229,8 +229,8 @@ class TrainConfig:
     seed: int = opt(0, "Seed of every random draw (task sampling, modes, generation).", ge=0)
     run_root: str = opt("outputs", "Directory under which each run gets its own folder.")
     run_name: str | None = opt(None, "Run folder name; null uses a timestamp.", nullable=True)
-    resume: str = opt("never", "`auto` resumes from the run folder's last good checkpoint; `never` starts fresh.",
-                      choices=("never", "auto"))
+    resume: str = opt("never", "`never` starts fresh; `auto` resumes from the run folder's newest readable "
+                      "checkpoint (and its MLflow run); a path resumes from that checkpoint file.")
     torch_threads: int = opt(0, "torch intra-op threads; 0 uses all cores.", ge=0)
 
 
@@ -273,6 +273,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 _check_field(prefix + f.name, f, getattr(obj, f.name))
     if cfg.model.name == "hf" and not cfg.model.path:
         raise ConfigError("model.path is required when model.name=hf: give a local checkpoint directory")
+    if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
+        raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
     if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
         raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
                           f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")

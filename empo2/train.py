@@ -186,7 +186,12 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     val_tasks = validation_tasks(cfg)
     t = cfg.trainer
     datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed)
-    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer)
+    ref_policy = None
+    if cfg.algo.kl_coef > 0 and cfg.model.lora_r == 0:  # with LoRA the reference is the base, adapters off
+        import copy
+
+        ref_policy = copy.deepcopy(model).eval().requires_grad_(False)
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks))
     collector = build_collector(cfg, model, tok, n_envs)
     rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks)
@@ -205,7 +210,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         enable_model_summary=False, detect_anomaly=cfg.debug.detect_anomaly, plugins=[AtomicCheckpointIO()])
     if logger is not None and trainer.is_global_zero:  # written at once, so a killed run resumes into the same run
         (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
-    ckpt_path = None
+    ckpt_path = Path(cfg.resume).expanduser() if cfg.resume not in ("never", "auto") else None
     if cfg.resume == "auto" and ckpt_dir.is_dir():
         for torn in remove_torn_writes(ckpt_dir):
             print(f"removed {torn}, a checkpoint write that was interrupted before it completed")

@@ -59,6 +59,15 @@ class EMPO2Module(L.LightningModule):
         return logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, T)
 
     @torch.no_grad()
+    def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Log-probs under the frozen reference policy, (B, T): a frozen copy, or for a LoRA policy the
+        same weights with the adapters switched off (no second copy of the base in memory)."""
+        if self.ref_policy is not None:
+            return self.response_logprobs(batch, model=self.ref_policy)
+        with self.policy.disable_adapter():
+            return self.response_logprobs(batch)
+
+    @torch.no_grad()
     def old_logprobs(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
         """Behaviour log-probs with the current weights, before any update of this iteration."""
         was_training = self.policy.training
@@ -92,8 +101,7 @@ class EMPO2Module(L.LightningModule):
         loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high, a.dual_clip_c,
                                                a.loss_agg, response_mask=mask)
         if a.kl_coef > 0:
-            with torch.no_grad():
-                ref = self.response_logprobs(batch, model=self.ref_policy)
+            ref = self.ref_logprobs(batch)
             kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg)
             loss = loss + a.kl_coef * kl
             metrics["kl_ref"] = float(kl.detach())

@@ -169,11 +169,11 @@ class RolloutCollector:
 
         new_tips, tips_added = None, 0
         if not evaluate and s.write_tips and has_memory:
+            new_tips = self._write_tips(trajs, envs, histories, obs, iteration, generator, timing)
             t0 = time.perf_counter()
-            new_tips = self._write_tips(trajs, envs, histories, obs, iteration, generator)
             if self.add_tips and new_tips[0]:
                 tips_added = len(self.memory.add(*new_tips))
-            timing["tips"] += time.perf_counter() - t0
+            timing["memory"] += time.perf_counter() - t0
 
         self._assign_advantages(trajs, evaluate)
         if has_memory and not evaluate:
@@ -195,7 +195,7 @@ class RolloutCollector:
     def _seed(generator: torch.Generator) -> int:
         return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
-    def _write_tips(self, trajs, envs, histories, obs, iteration: int, generator: torch.Generator):
+    def _write_tips(self, trajs, envs, histories, obs, iteration: int, generator: torch.Generator, timing: dict):
         """The policy writes one tip per finished episode, in one batched call; tips are sanitised (a
         tip can never open a chat turn) and keyed by the embedding of the episode's final state (of
         each step's state for per-step entries). Returns the memory entries (texts, keys, metas)."""
@@ -204,7 +204,10 @@ class RolloutCollector:
                     for i in range(len(trajs))]
         params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=s.tip_max_new_tokens,
                                 stop_at_newline=False)
+        t0 = time.perf_counter()
         gens = self.engine.generate(requests, params, seed=self._seed(generator))
+        timing["tips"] += time.perf_counter() - t0  # tip generation; sanitising and embedding count as memory
+        t0 = time.perf_counter()
         texts, keys, metas = [], [], []
         for i, (traj, gen) in enumerate(zip(trajs, gens)):
             tip = sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
@@ -221,6 +224,7 @@ class RolloutCollector:
             metas += entry_metas
             keys += [self._state_text(envs[i], st) for st in states]
         vectors = self.embedder.encode(keys) if keys else np.zeros((0, self.memory.dim), dtype=np.float32)
+        timing["memory"] += time.perf_counter() - t0
         return texts, vectors, metas
 
     def _assign_advantages(self, trajs: list[Trajectory], evaluate: bool) -> None:

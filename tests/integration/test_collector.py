@@ -147,3 +147,25 @@ def test_evaluation_mode_writes_no_tips_and_counts_no_visits(policy, embedder):
     batch = collect(c, evaluate=True, use_memory=False)
     assert len(c.memory) == 0 and len(c.novelty) == 0
     assert not any(s.memory for s in batch.samples)
+
+
+def test_a_short_scienceworld_batch_on_the_real_jvm(policy, embedder):
+    pytest.importorskip("scienceworld")
+    import shutil
+
+    if shutil.which("java") is None:
+        pytest.skip("java 17 is needed for ScienceWorld")
+    model, tok = policy
+    envs = [make_env("scienceworld", max_steps=3) for _ in range(2)]
+    try:
+        settings = CollectorSettings(max_new_tokens=6, max_episode_steps=3, tip_max_new_tokens=12)
+        collector = RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512), envs,
+                                     TipMemory(embedder.dim), embedder, settings, special_tokens=tok.all_special_tokens)
+        batch = collector.collect([TaskSpec("find-living-thing", 0)], 2, 0, torch.Generator().manual_seed(0))
+    finally:
+        for env in envs:
+            env.close()
+    assert len(batch.trajectories) == 2
+    assert all(1 <= tr.length <= 3 and tr.env_error is None for tr in batch.trajectories)
+    assert all(0 <= tr.score <= 100 for tr in batch.trajectories)
+    assert batch.stats["intrinsic/states_seen"] >= 1

@@ -85,3 +85,24 @@ def test_ddp_on_two_cpu_processes_keeps_ranks_identical(tmp_path):
     assert r0["memory_records"] == r1["memory_records"] and len(r0["memory_records"]) > 0
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["config"]["trainer"]["strategy"] == "ddp"
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_kl_to_a_frozen_reference_is_logged_and_the_reference_stays_frozen(tmp_path, lora):
+    """Full weights: a frozen copy; LoRA: the same model with its adapters off."""
+    cfg = load_config(FAST + ["trainer.iterations=1", "algo.kl_coef=0.1", f"model.lora_r={lora}",
+                              f"run_root={tmp_path}", "run_name=kl", "logger=mlflow"])
+    summary = train(cfg)
+    import mlflow
+
+    run = mlflow.MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"])
+    assert "actor/kl_ref" in run.data.metrics
+    assert run.data.metrics["actor/kl_ref"] >= 0.0  # k3 estimator is non-negative
+
+
+def test_resume_from_an_explicit_checkpoint_path(tmp_path):
+    first = train(load_config(FAST + [f"run_root={tmp_path}", "run_name=a", "trainer.iterations=1"]))
+    again = train(load_config(FAST + [f"run_root={tmp_path}", "run_name=b", f"resume={first['checkpoint']}"]))
+    assert [h["iteration"] for h in again["history"] if "rollout/return" in h] == [0, 1]
+    with pytest.raises(Exception, match="resume='/nope.ckpt' is not allowed"):
+        load_config(FAST + ["resume=/nope.ckpt"])
