@@ -13,6 +13,7 @@ a resumed run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import lightning as L
@@ -26,6 +27,7 @@ from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.rollout.collector import RolloutCollector
+from empo2.rollout.engines import full_named_tensors
 
 
 def _to_torch(obj):
@@ -47,6 +49,17 @@ def _to_numpy(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_numpy(v) for v in obj)
     return obj
+
+
+def full_params(trainer: L.Trainer):
+    """Under FSDP, the policy's unsharded weights for calls made outside the wrapped module's own forward
+    (HF generation, old log-probs); elsewhere nothing to do."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    wrapped = trainer.strategy.model
+    if isinstance(wrapped, FSDP):
+        return FSDP.summon_full_params(wrapped, writeback=False, recurse=True)
+    return contextlib.nullcontext()
 
 
 class RolloutCallback(L.Callback):
@@ -75,14 +88,17 @@ class RolloutCallback(L.Callback):
                                       variations=cfg.env.train_variations)
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, it, rank, 1))
         self.collector.add_tips = world == 1
-        batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
+        with full_params(trainer):
+            batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
+        self.collector.engine.sleep()  # vLLM with engine.sleep_mode frees its memory for the update
         maybe_fail("rollout", it)
         if world > 1:
             self._share_tips(batch.new_tips)
             batch.stats["memory/size"] = float(len(self.collector.memory or []))
 
         if cfg.algo.update_policy:
-            old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
+            with full_params(trainer):
+                old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
             n_mini = math.ceil(len(batch.samples) / cfg.trainer.mini_batch_size)
         else:  # memory-only agent: the iteration is its rollouts (and tips); nothing to train on
             old, n_mini = [], 0
@@ -99,10 +115,13 @@ class RolloutCallback(L.Callback):
         self._log(trainer, it, stats)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
-        self.collector.engine.update_weights(pl_module.policy.named_parameters())
+        # full tensors with Hugging Face names (FSDP gathered, LoRA merged); lazy, so HFEngine costs nothing
+        self.collector.engine.update_weights(full_named_tensors(pl_module.policy))
         it = self.iteration
         if (it + 1) % self.cfg.trainer.val_every == 0 or it + 1 == self.cfg.trainer.iterations:
-            self._log(trainer, it, self.validate(it))
+            with full_params(trainer):
+                stats = self.validate(it)
+            self._log(trainer, it, stats)
         self.iteration += 1
 
     def validate(self, iteration: int) -> dict[str, float]:
