@@ -81,9 +81,6 @@ class EMPO2Module(L.LightningModule):
         self.policy.train(was_training)
         return rows
 
-    def on_train_start(self) -> None:
-        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
-
     # ------------------------------------------------------------------------------------- update
     def training_step(self, micro: MicroBatch, batch_idx: int):
         """One micro-batch of the EMPO² update; the optimiser steps after the last one of a mini-batch."""
