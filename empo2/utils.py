@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a folder (a folder's fsync makes a rename inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -36,6 +44,8 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def seed_everything(seed: int) -> None:
+    import torch  # here, so the file helpers above stay importable without loading torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from empo2.envs.base import SPLITS, Catalogue, stable_hash
+from empo2.utils import fsync_path
 
 CHALLENGES = ("tw-coin_collector", "tw-treasure_hunter", "tw-cooking", "tw-simple")
 
@@ -205,7 +206,7 @@ def ensure_game(task: str, variation: int, timeout_s: float) -> Path:
         try:
             _run_generator(challenge, level, game_seed(task, variation), tmp, deadline, what, timeout_s)
             os.replace(tmp, target)
-            _fsync(target.parent)
+            fsync_path(target.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target / GAME_FILE
@@ -256,14 +257,6 @@ _CHILD = ("import sys; from pathlib import Path; from empo2.envs.textworld_games
           "generate(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ------------------------------------------------------------------------------ generation (child)
 def generate(challenge: str, level: int, seed: int, out: Path) -> None:
     """Generate and compile one game into the empty folder `out`; `meta.json` is written last."""
@@ -288,13 +281,13 @@ def generate(challenge: str, level: int, seed: int, out: Path) -> None:
     compile_game(game, options)
     walkthrough = admissible_walkthrough(out / GAME_FILE, game.metadata["walkthrough"])
     for name in os.listdir(out):
-        _fsync(out / name)
+        fsync_path(out / name)
     meta = {"challenge": challenge, "level": level, "seed": seed + attempt, "requested_seed": seed,
             "textworld": textworld.__version__, "generation_s": round(time.monotonic() - start, 3),
             "walkthrough": walkthrough}
     marker = out / META_FILE
     marker.write_text(json.dumps(meta, indent=1))
-    _fsync(marker)
+    fsync_path(marker)
 
 
 def admissible_walkthrough(game_file: Path, walkthrough: list[str]) -> list[str]:

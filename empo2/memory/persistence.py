@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from empo2.utils import fsync_path
+
 
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
@@ -31,7 +33,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         for path in tmp.rglob("*"):
             if path.is_file():
-                _fsync(path)
+                fsync_path(path)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / target.name)
@@ -39,18 +41,10 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old)
         else:
             os.replace(tmp, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json(path: Path, data: object) -> None:
