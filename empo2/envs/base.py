@@ -93,6 +93,17 @@ class Catalogue:
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
 
+def hash_splits(salt: str, task: str, sizes: dict[str, int]) -> dict[str, list[int]]:
+    """Disjoint train/dev/test variation lists for one task: variations 0..sum(sizes)-1 ordered by a stable
+    hash of (salt, task, variation) and cut in that order, so every process and machine gets the same."""
+    order = sorted(range(sum(sizes.values())), key=lambda v: stable_hash(salt, task, str(v)))
+    splits, start = {}, 0
+    for split in SPLITS:
+        splits[split] = sorted(order[start : start + sizes[split]])
+        start += sizes[split]
+    return splits
+
+
 _REGISTRY: dict[str, Callable[..., TextEnv]] = {}
 
 

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from empo2.envs.base import SPLITS, Catalogue, stable_hash
+from empo2.envs.base import Catalogue, hash_splits, stable_hash
 from empo2.utils import fsync_path
 
 CHALLENGES = ("tw-coin_collector", "tw-treasure_hunter", "tw-cooking", "tw-simple")
@@ -147,14 +147,7 @@ def catalogue(ood_tasks: tuple[str, ...] | list[str] = DEFAULT_OOD_TASKS) -> Cat
     for task in ood_tasks:
         if task not in TASKS:
             raise ValueError(f"OOD task {task!r} is not in the TextWorld catalogue: {list(TASKS)}")
-    variations = {}
-    for task in TASKS:
-        order = sorted(range(NUM_VARIATIONS), key=lambda v: stable_hash("textworld-split", task, str(v)))
-        splits, start = {}, 0
-        for split in SPLITS:
-            splits[split] = sorted(order[start : start + SPLIT_SIZES[split]])
-            start += SPLIT_SIZES[split]
-        variations[task] = splits
+    variations = {task: hash_splits("textworld-split", task, SPLIT_SIZES) for task in TASKS}
     return Catalogue(variations=variations, ood_tasks=list(ood_tasks))
 
 

@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 from empo2.envs.actions import resolve_action
-from empo2.envs.base import SPLITS, Catalogue, StepResult, register_env, stable_hash
+from empo2.envs.base import Catalogue, StepResult, hash_splits, register_env, stable_hash
 from empo2.envs.minisci.commands import execute, valid_actions
 from empo2.envs.minisci.families import FAMILIES, OOD_FAMILIES, Task
 from empo2.envs.minisci.layout import Difficulty
@@ -28,14 +28,7 @@ DEFAULT_TASK = next(iter(FAMILIES))
 def catalogue() -> Catalogue:
     """Per family, disjoint train/dev/test variation lists (150/75/75): the variations ordered by a
     hash of (family, variation) and cut in that order; change-state is out-of-distribution."""
-    variations = {}
-    for family in FAMILIES:
-        order = sorted(range(NUM_VARIATIONS), key=lambda v: stable_hash("minisci-split", family, str(v)))
-        splits, start = {}, 0
-        for split in SPLITS:
-            splits[split] = sorted(order[start : start + SPLIT_SIZES[split]])
-            start += SPLIT_SIZES[split]
-        variations[family] = splits
+    variations = {family: hash_splits("minisci-split", family, SPLIT_SIZES) for family in FAMILIES}
     return Catalogue(variations=variations, ood_tasks=list(OOD_FAMILIES))
 
 
