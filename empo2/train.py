@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import ConfigError, TrainConfig, to_dict
+from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, TrainConfig, to_dict
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.models import load_policy
 from empo2.utils import atomic_write_json, make_run_dir, seed_everything
@@ -27,6 +27,8 @@ def env_kwargs(cfg: TrainConfig) -> dict:
         kw["max_steps"] = cfg.env.max_steps
     if cfg.env.name == "scienceworld":
         kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
+    if cfg.env.name == "minisci":
+        kw.update({f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
     if cfg.env.name == "textworld":
         kw["generation_timeout_s"] = cfg.env.generation_timeout_s
     return kw

@@ -67,6 +67,16 @@ def test_cross_field_rule_micro_batch_fits_mini_batch():
         validate(cfg)
 
 
+def test_minisci_house_settings_reach_the_env_and_are_refused_for_other_envs():
+    from empo2.train import env_kwargs
+
+    kw = env_kwargs(load_config(["env.num_rooms=4", "env.num_decoys=0", "env.hide_prob=0.5"]))
+    assert (kw["num_rooms"], kw["num_decoys"], kw["hide_prob"], kw["num_distractors"]) == (4, 0, 0.5, 2)
+    assert "num_rooms" not in env_kwargs(load_config(["env=scienceworld"]))
+    with pytest.raises(ConfigError, match=r"^env.num_decoys=0 is not allowed: .*env.name=scienceworld$"):
+        load_config(["env=scienceworld", "env.num_decoys=0"])
+
+
 def test_nan_is_rejected():
     cfg = TrainConfig()
     cfg.algo.beta_end = float("nan")

@@ -1,0 +1,180 @@
+"""`minisci-bc`: a small policy with a prior, so EMPO² experiments fit on a CPU.
+
+With SmolLM2-135M one EMPO² iteration on MiniSci takes about 80 s on 2 cores
+(`benchmarks/minisci_calibration.py`), so comparing several methods over seeds is out of reach of
+a laptop. This preset is a ~1.5M-parameter Qwen2-style model with a byte-level BPE trained on
+MiniSci text, behaviour-cloned on gold action paths of the *dev* variations of the in-distribution
+families (never the train or test variations that RL and validation use), in houses of mixed
+difficulty. Like an instruct LLM it starts out knowing the action grammar and the usual order of a
+task, but not where things are in an unseen house: finding them is left to exploration, which is
+what EMPO² is about. It writes its own tips like any policy (it was never taught to, so they read
+like actions), and it never saw a tip in a prompt.
+
+Built on first use in a few minutes (deterministic for a seed), written atomically and cached under
+`$EMPO2_CACHE/models/minisci-bc-<hash>`; later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# Kept in step with PromptBuilder's defaults in conf/rollout/default.yaml, so the clones see RL's prompts.
+HISTORY_TURNS = 2
+MAX_PROMPT_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class BCSettings:
+    """Everything the cached model depends on (its hash names the cache folder)."""
+
+    seed: int = 0
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    houses_per_variation: int = 2  # dev variations are replayed in this many house difficulties
+    epochs: float = 2.0
+    batch_size: int = 32
+    lr: float = 3e-3
+    version: int = 1  # bump when the data or the recipe changes
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _houses(rng: random.Random, n: int) -> list[dict]:
+    return [{"num_rooms": rng.choice((4, 5, 6)), "num_decoys": rng.choice((0, 1, 2)),
+             "num_distractors": rng.choice((0, 1, 2))} for _ in range(n)]
+
+
+def gold_episodes(settings: BCSettings) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(task description, [(observation, gold action), ...]) for every dev variation and house draw."""
+    from empo2.envs import make_env
+    from empo2.envs.minisci import FAMILIES, OOD_FAMILIES, catalogue
+
+    rng = random.Random(settings.seed)
+    cat = catalogue()
+    episodes = []
+    for family in FAMILIES:
+        if family in OOD_FAMILIES:
+            continue
+        for variation in cat.split(family, "dev"):
+            for house in _houses(rng, settings.houses_per_variation):
+                env = make_env("minisci", max_steps=100, **house)
+                obs, info = env.reset(task=family, variation=variation)
+                turns, won = [], False
+                for action in env.gold_actions():
+                    turns.append((obs, action))
+                    result = env.step(action)
+                    obs, won = result.obs, result.info["won"]
+                if not won:  # a planner bug would teach the clone a losing path
+                    raise RuntimeError(f"the gold path of {family}/{variation} in house {house} does not win")
+                episodes.append((info["task_description"], turns))
+    return episodes
+
+
+def clone_examples(builder, episodes) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, action ids + end of turn) per gold step, built by the collector's own PromptBuilder."""
+    eos = builder.tokenizer.eos_token_id
+    examples = []
+    for task, turns in episodes:
+        for t, (obs, action) in enumerate(turns):
+            prompt = builder.build(task, turns[:t], obs).ids
+            examples.append((prompt, builder.tokenizer.encode(action, add_special_tokens=False) + [eos]))
+    return examples
+
+
+def _batch(examples, pad_id: int):
+    """Right-padded (input_ids, attention_mask, labels) with labels only on the action tokens."""
+    width = max(len(p) + len(a) for p, a in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # (B, T)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for i, (p, a) in enumerate(examples):
+        n = len(p) + len(a)
+        ids[i, :n] = torch.tensor(p + a)
+        labels[i, len(p):n] = torch.tensor(a)
+        mask[i, :n] = 1
+    return ids, mask, labels
+
+
+def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print) -> dict:
+    """Cross-entropy on the action tokens, AdamW with a cosine schedule; returns training stats."""
+    rng = random.Random(settings.seed)
+    steps = max(1, math.ceil(settings.epochs * len(examples) / settings.batch_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    t0, losses = time.perf_counter(), []
+    order: list[int] = []
+    for step in range(steps):
+        if len(order) < settings.batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch, order = [examples[i] for i in order[: settings.batch_size]], order[settings.batch_size:]
+        ids, mask, labels = _batch(batch, pad_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"minisci-bc: step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    model.eval()
+    return {"steps": steps, "examples": len(examples), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "seconds": time.perf_counter() - t0}
+
+
+def build_minisci_bc(settings: BCSettings, log=print):
+    """Tokenizer and cloned model, from scratch."""
+    from empo2.memory.tips import tip_request_message
+    from empo2.models import build_bpe_tokenizer, build_tiny_model
+    from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT, PromptBuilder
+
+    episodes = gold_episodes(settings)
+    corpus = [DEFAULT_SYSTEM_PROMPT, tip_request_message()["content"]]
+    corpus += [task for task, _ in episodes] + [text for _, turns in episodes for pair in turns for text in pair]
+    tok = build_bpe_tokenizer(corpus, settings.vocab_size)
+    builder = PromptBuilder(tok, max_prompt_tokens=MAX_PROMPT_TOKENS, history_turns=HISTORY_TURNS)
+    examples = clone_examples(builder, episodes)
+    model = build_tiny_model(tok, settings.seed, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
+                             num_heads=settings.num_heads)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        stats = behaviour_clone(model, examples, settings, tok.pad_token_id, log)
+    stats["episodes"] = len(episodes)
+    stats["parameters"] = sum(p.numel() for p in model.parameters())
+    return model, tok, stats
+
+
+def cache_dir(settings: BCSettings | None = None) -> Path:
+    from empo2.models import cache_root
+
+    return cache_root() / "models" / f"minisci-bc-{(settings or BCSettings()).key()}"
+
+
+def ensure_minisci_bc(settings: BCSettings | None = None, log=print) -> Path:
+    """Path of the cached clone, building it on first use (temp dir + rename: never half-written)."""
+    from empo2.models import save_cached_checkpoint
+
+    settings = settings or BCSettings()
+    target = cache_dir(settings)
+    if (target / "empo2_source.json").is_file():  # written last, inside the temp dir
+        return target
+    if target.exists():
+        shutil.rmtree(target)
+    log(f"minisci-bc: building the policy once (cached at {target})")
+    model, tok, stats = build_minisci_bc(settings, log)
+    save_cached_checkpoint(model, tok, {"settings": asdict(settings), "stats": stats}, target)
+    return target

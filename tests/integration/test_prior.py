@@ -1,0 +1,84 @@
+"""The `minisci-bc` policy: cloned only from dev variations, on the collector's own prompts, and the
+cloning loop learns; the cache is built once, atomically, and loads as a transformers checkpoint."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from empo2.envs.minisci import catalogue
+from empo2.models import _load_local, build_bpe_tokenizer, build_tiny_model
+from empo2.prior import BCSettings, _batch, behaviour_clone, clone_examples, ensure_minisci_bc, gold_episodes
+from empo2.rollout.prompts import PromptBuilder
+
+SMALL = BCSettings(houses_per_variation=1, epochs=0.02, hidden_size=32, num_layers=1, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def episodes():
+    return gold_episodes(SMALL)
+
+
+def test_demonstrations_come_from_dev_variations_only(episodes):
+    from empo2.envs import make_env
+
+    cat = catalogue()
+    dev = [(task, v) for task in cat.tasks() for v in cat.split(task, "dev")]
+    assert len(episodes) == len(dev)  # one house per (in-distribution family, dev variation) here
+    env = make_env("minisci", max_steps=100)
+    for (task, variation), (description, turns) in list(zip(dev, episodes))[::25]:
+        assert variation not in cat.split(task, "train") + cat.split(task, "test")
+        env.reset(task=task, variation=variation)
+        assert env.task_description.split()[:3] == description.split()[:3]  # same family's instruction
+        assert turns and all(obs and action for obs, action in turns)
+    assert not any(task in cat.ood_tasks for task, _ in dev)
+
+
+def test_examples_are_the_collectors_prompts_with_the_action_and_end_of_turn_as_target(episodes):
+    tok = build_bpe_tokenizer(["go to kitchen focus on frog"] * 4, 300)
+    builder = PromptBuilder(tok, max_prompt_tokens=512, history_turns=2)
+    task, turns = episodes[0]
+    examples = clone_examples(builder, [(task, turns)])
+    assert len(examples) == len(turns)
+    for t, ((prompt, target), (obs, action)) in enumerate(zip(examples, turns)):
+        assert prompt == builder.build(task, turns[:t], obs).ids
+        assert target[-1] == tok.eos_token_id
+        assert tok.decode(target[:-1]) == action
+
+
+def test_batch_labels_only_the_action_tokens():
+    ids, mask, labels = _batch([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 8, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert labels.tolist() == [[-100, -100, -100, 8, 9], [-100, 8, -100, -100, -100]]
+
+
+def test_cloning_fits_a_handful_of_demonstrations(episodes):
+    tok = build_bpe_tokenizer([t for _, turns in episodes[:8] for pair in turns for t in pair], 400)
+    builder = PromptBuilder(tok, max_prompt_tokens=512, history_turns=2)
+    examples = clone_examples(builder, episodes[:1])
+    model = build_tiny_model(tok, seed=0, hidden_size=64, num_layers=1)
+    ids, mask, labels = _batch(examples, tok.pad_token_id)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    settings = replace(SMALL, epochs=120, batch_size=len(examples), lr=1e-2)
+    stats = behaviour_clone(model, examples, settings, tok.pad_token_id, log=lambda _: None)
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    assert stats["steps"] == 120
+    assert after < 0.1 * before, (before, after)
+    prompt, target = examples[0]  # greedy decoding now reproduces a demonstrated action
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False)
+    assert out[0, len(prompt):].tolist() == target
+
+
+def test_the_clone_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))
+    logs = []
+    path = ensure_minisci_bc(SMALL, log=logs.append)
+    assert (path / "empo2_source.json").is_file() and path.parent == tmp_path / "models"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+    assert ensure_minisci_bc(SMALL, log=logs.append) == path
+    assert sum("building" in line for line in logs) == 1
+    model, tok = _load_local(path, torch.float32)
+    assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
