@@ -120,7 +120,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     uri = args.tracking_uri or f"sqlite:///{Path(args.run_root).expanduser().resolve() / 'mlflow.db'}"
     out = args.out or Path(args.run_root) / "compare" / args.experiment.replace("/", "_")
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
-    result = compare(args.experiment, uri, out, group_by=args.group_by, metrics=metrics, storage=args.storage)
+    result = compare(args.experiment, uri, out, group_by=args.group_by, metrics=metrics, storage=args.storage,
+                     x=args.x)
     print(Path(result["table"]).read_text(), end="")
     print(f"written to {result['out']}: compare.md, compare.csv, {len(result['curves'])} curves"
           + (f", {len(result['sweep'])} sweep files" if result["sweep"] else ""))
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--experiment", required=True, help="MLflow experiment name")
             p.add_argument("--group-by", default="preset", help="tag or parameter that groups runs (default preset)")
             p.add_argument("--metrics", help="comma-separated metrics (default: validation and rollout scores)")
+            p.add_argument("--x", help="metric to plot the curves against instead of the iteration, "
+                                       "e.g. train/env_steps")
             p.add_argument("--run-root", default="outputs", help="where the runs and mlflow.db live")
             p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite in the run root)")
             p.add_argument("--out", help="output folder (default <run-root>/compare/<experiment>)")

@@ -59,9 +59,11 @@ def _group_order(name: str) -> tuple:
 
 
 def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str = "preset",
-            metrics: list[str] | None = None, storage: str | None = None) -> dict:
+            metrics: list[str] | None = None, storage: str | None = None, x: str | None = None) -> dict:
     """Write the table, the curves and (for sweeps) the importance plots; returns the table rows
-    and the paths written. `storage` overrides the Optuna storage URL recorded on a study's run."""
+    and the paths written. `storage` overrides the Optuna storage URL recorded on a study's run.
+    `x`: a metric logged at every iteration (`train/env_steps`) to plot the curves against instead of
+    the iteration, e.g. to compare methods at equal environment steps."""
     client = _client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -79,7 +81,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str =
         groups[str(key) if key is not None else "(none)"].append(r)
     present = {k for r in finished for k in r.data.metrics}
     metrics = list(metrics) if metrics else [m for m in DEFAULT_METRICS if m in present]
-    missing = [m for m in metrics if m not in present]
+    missing = [m for m in metrics + ([x] if x else []) if m not in present]
     if missing or not metrics:
         raise ConfigError(f"metric {missing[0] if missing else '(none)'} is not logged by any run of {experiment!r} "
                           f"(logged: {', '.join(sorted(present))})")
@@ -95,7 +97,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str =
         rows.append(row)
     table_md, table_csv = out / "compare.md", out / "compare.csv"
     _write_tables(rows, metrics, group_by, experiment, table_md, table_csv)
-    curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png") for m in metrics]
+    curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png", x) for m in metrics]
     sweep_files = []
     for study_run in studies:
         sweep_files += _study_outputs(study_run, storage, out)
@@ -117,8 +119,26 @@ def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experimen
             w.writerow([row["group"], row["runs"]] + [repr(v) for m in metrics for v in row[m]])
 
 
-def _plot_curve(client, groups: dict, metric: str, path: Path) -> Path:
-    """Mean over a group's runs at every step that at least one run reached, ±1 std shaded."""
+def group_curve(runs: list[tuple[dict[int, float], dict[int, float] | None]]):
+    """(x, mean, std) of a group's curve. runs: per run, {step: metric value} and {step: x value} (None: x is
+    the step). At every step some run reached: x and the metric averaged over the runs that have it, and the
+    sample std of the metric (0 with one run)."""
+    ys_at: dict[int, list[float]] = defaultdict(list)
+    xs_at: dict[int, list[float]] = defaultdict(list)
+    for ys, xs in runs:
+        for step, y in ys.items():
+            ys_at[step].append(y)
+            xs_at[step].append(xs[step] if xs is not None else step)
+    steps = sorted(ys_at)
+    where = np.array([np.mean(xs_at[s]) for s in steps])
+    mean = np.array([np.mean(ys_at[s]) for s in steps])
+    std = np.array([np.std(ys_at[s], ddof=1) if len(ys_at[s]) > 1 else 0.0 for s in steps])
+    return where, mean, std
+
+
+def _plot_curve(client, groups: dict, metric: str, path: Path, x: str | None = None) -> Path:
+    """Mean over a group's runs at every step that at least one run reached, ±1 std shaded; with `x`,
+    placed at the mean over those runs of metric `x` at that step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,18 +146,16 @@ def _plot_curve(client, groups: dict, metric: str, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in sorted(groups, key=_group_order):
-        per_step: dict[int, list[float]] = defaultdict(list)
+        runs = []
         for r in groups[name]:
-            for point in client.get_metric_history(r.info.run_id, metric):
-                per_step[point.step].append(point.value)
-        if not per_step:
+            ys = {p.step: p.value for p in client.get_metric_history(r.info.run_id, metric)}
+            runs.append((ys, {p.step: p.value for p in client.get_metric_history(r.info.run_id, x)} if x else None))
+        where, mean, std = group_curve(runs)
+        if not len(where):
             continue
-        steps = sorted(per_step)
-        mean = np.array([np.mean(per_step[s]) for s in steps])
-        std = np.array([np.std(per_step[s], ddof=1) if len(per_step[s]) > 1 else 0.0 for s in steps])
-        line = ax.plot(steps, mean, marker="o", markersize=3, label=f"{name} (n={len(groups[name])})")[0]
-        ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("iteration")
+        line = ax.plot(where, mean, marker="o", markersize=3, label=f"{name} (n={len(groups[name])})")[0]
+        ax.fill_between(where, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel(x or "iteration")
     ax.set_ylabel(metric)
     ax.set_title(metric)
     ax.legend(fontsize=7)

@@ -71,6 +71,7 @@ class RolloutCallback(L.Callback):
         # Iterations completed. Our own counter, checkpointed with the rest of our state: on resume,
         # Lightning builds the first iterator while `current_epoch` still names the finished epoch.
         self.iteration = 0
+        self.env_steps = 0  # environment steps of all training rollouts so far, every rank: the x of sample efficiency
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
@@ -107,8 +108,13 @@ class RolloutCallback(L.Callback):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n_mini = int(t.item())
         self.datamodule.set_rollouts(batch.samples, old, it, n_mini)
+        steps = torch.tensor([len(batch.samples)], device=pl_module.device)  # one sample per environment step
+        if world > 1:
+            dist.all_reduce(steps, op=dist.ReduceOp.SUM)
+        self.env_steps += int(steps.item())
 
-        stats = dict(batch.stats, **{"train/iteration": float(it), "algo/beta": self.collector.settings.beta})
+        stats = dict(batch.stats, **{"train/iteration": float(it), "train/env_steps": float(self.env_steps),
+                                     "algo/beta": self.collector.settings.beta})
         stats["env/restarts"] = float(self._env_restarts())
         pl_module.progress = {"return": stats["rollout/return"], "success": stats["rollout/success"],
                               "mem": stats["memory/size"]}
@@ -169,7 +175,7 @@ class RolloutCallback(L.Callback):
         memory = self.collector.memory
         return {"novelty": self.collector.novelty.state_dict(),
                 "memory": _to_torch(memory.state_dict()) if memory is not None else None,
-                "history": self.history, "iteration": self.iteration}
+                "history": self.history, "iteration": self.iteration, "env_steps": self.env_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.collector.novelty.load_state_dict(state["novelty"])
@@ -177,3 +183,4 @@ class RolloutCallback(L.Callback):
             self.collector.memory.load_state_dict(_to_numpy(state["memory"]))
         self.history = list(state.get("history", []))
         self.iteration = int(state["iteration"])
+        self.env_steps = int(state["env_steps"])

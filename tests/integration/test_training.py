@@ -3,6 +3,7 @@
 import json
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,11 @@ def test_two_iterations_update_the_policy_and_write_a_summary(tmp_path):
     assert saved["config"]["algo"]["p"] == 0.5
     for key in ("rollout/return", "rollout/success", "rollout/episode_len", "val/score_nomem", "memory/size"):
         assert key in saved["metrics"], key
-    assert len([h for h in saved["history"] if "rollout/return" in h]) == 2
+    rollouts = [h for h in saved["history"] if "rollout/return" in h]
+    assert len(rollouts) == 2
+    n_traj = cfg.rollout.tasks_per_batch * cfg.rollout.group_size  # env steps = episode length x episodes
+    assert [h["train/env_steps"] for h in rollouts] == pytest.approx(
+        np.cumsum([h["rollout/episode_len"] * n_traj for h in rollouts]).tolist())
     assert (tmp_path / "r" / "learning_curve.png").is_file()
 
 

@@ -91,7 +91,7 @@ def test_the_grid_refuses_to_skip_a_run_made_with_another_config(grid):
 def test_compare_table_and_curves_match_the_runs_summaries(grid):
     out = grid["root"] / "cmp"
     proc = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
-                 "--metrics", ",".join(COMPARED))
+                 "--metrics", ",".join(COMPARED), "--x", "train/env_steps")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     finals = {p: [json.loads((grid["root"] / "mini" / f"{p}-s{s}" / "summary.json").read_text())["metrics"]
                   for s in (0, 1)] for p in GRID_PRESETS}

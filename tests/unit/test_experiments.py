@@ -163,3 +163,16 @@ def test_eval_arguments_split_options_from_overrides():
     assert opts == {"ckpt": "a", "memory": "on"} and overrides == ["env.val_variations=2"]
     with pytest.raises(ConfigError, match="expected key=value"):
         parse_kv(["ckpt"], ("ckpt",))
+
+
+def test_group_curve_averages_runs_per_step_and_places_points_at_the_mean_x():
+    from empo2.compare import group_curve
+
+    a = ({0: 1.0, 1: 3.0}, {0: 10.0, 1: 22.0})
+    b = ({0: 3.0, 1: 5.0, 2: 7.0}, {0: 12.0, 1: 20.0, 2: 30.0})
+    x, mean, std = group_curve([a, b])
+    assert x.tolist() == [11.0, 21.0, 30.0]
+    assert mean.tolist() == [2.0, 4.0, 7.0]
+    assert std.tolist() == pytest.approx([2 ** 0.5, 2 ** 0.5, 0.0])
+    x, mean, _ = group_curve([(a[0], None), (b[0], None)])  # no x metric: the step is the x
+    assert x.tolist() == [0.0, 1.0, 2.0] and mean.tolist() == [2.0, 4.0, 7.0]
