@@ -79,8 +79,10 @@ class EnvConfig:
     simplification: str = opt("easy", "ScienceWorld simplification preset (the released code uses `easy`).")
     action_correction: bool = opt(True, "Replace an invalid action by the valid action with the highest word "
                                   "Jaccard overlap (released code). Off: invalid actions cost a step and do nothing.")
-    reward_scale: float = opt(0.01, "Extrinsic reward = change of score (0-100) times this; 0.01 gives a [0, 1] "
-                              "episode return.", gt=0)
+    reward_scale: float = opt(1.0, "Extrinsic reward = change of score (0-100) times this. 1 keeps score points, as "
+                              "the released code does, and β is set in those units: β·Σ_t 1/n(s_t) is then a few "
+                              "points next to a 0-100 return. With 0.01 (a [0, 1] return) β=0.8 lets novelty "
+                              "outweigh the task (measured on MiniSci: README, Sample efficiency).", gt=0)
     call_timeout_s: float = opt(10.0, "Timeout of one call into an environment process; a hung JVM is "
                                 "restarted and its episode reported failed.", gt=0)
     generation_timeout_s: float = opt(300.0, "TextWorld: limit on generating one game on first use (some "

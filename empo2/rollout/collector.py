@@ -252,6 +252,8 @@ class RolloutCollector:
         stats = {
             "rollout/return": sum(tr.ret for tr in trajs) / n_t,
             "rollout/ext_return": sum(tr.ext_return for tr in trajs) / n_t,
+            # beta * sum_t r_int: next to ext_return it shows which of the two the advantages follow
+            "rollout/intrinsic_return": sum(tr.ret - tr.ext_return for tr in trajs) / n_t,
             "rollout/score": sum(tr.score for tr in trajs) / n_t,
             "rollout/success": sum(tr.won for tr in trajs) / n_t,
             "rollout/episode_len": len(samples) / n_t,

@@ -131,6 +131,8 @@ def test_intrinsic_reward_reaches_the_advantages(policy, embedder):
     np.testing.assert_allclose(r0, [tr.ext_return for tr in b0.trajectories])
     np.testing.assert_allclose(r1, ext + 5.0 * bonus, rtol=1e-6)
     assert (bonus > 0).all()
+    assert b1.stats["rollout/intrinsic_return"] == pytest.approx(5.0 * bonus.mean())
+    assert b0.stats["rollout/intrinsic_return"] == 0.0
 
 
 def test_fixed_seed_reproduces_the_batch(policy, embedder):
