@@ -163,8 +163,9 @@ class MemoryConfig:
                          "or `global`.", choices=("variation", "task", "global"))
     capacity: int = opt(1000, "Tips per namespace before eviction.", gt=0)
     eviction: str = opt("oldest", "Which tip leaves a full namespace.", choices=("oldest", "utility"))
-    utility_weight: float = opt(0.0, "Blend of a tip's utility (mean return of episodes that carried it) into "
-                                "its retrieval score; 0 ranks by similarity only.", ge=0)
+    utility_weight: float = opt(0.0, "Blend of a tip's utility (mean extrinsic return of episodes that carried it, "
+                                "in env.reward_scale units) into its retrieval score (cosine, <= 1); 0 ranks by "
+                                "similarity only. With score points, 0.005 lets a 100-point tip gain 0.5.", ge=0)
     per_step_entries: bool = opt(False, "Store one entry per step (tip + action + final score, released code) "
                                  "instead of one per episode.")
     embedder_path: str | None = opt(None, "Local sentence-transformers model; null uses the bundled "
