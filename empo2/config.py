@@ -205,6 +205,9 @@ class TrainerConfig:
     val_every: int = opt(5, "Validate every this many iterations.", gt=0)
     val_memory: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
                            "(`val/*_nomem`) measures what the weights alone learned.")
+    val_before_train: bool = opt(False, "Validate the initial policy before the first update, logged at iteration "
+                                 "-1 with train/env_steps 0: the baseline every curve starts from. Costs one "
+                                 "validation; skipped on resume.")
     ckpt_every: int = opt(5, "Checkpoint every this many iterations.", gt=0)
 
 

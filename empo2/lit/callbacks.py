@@ -77,6 +77,14 @@ class RolloutCallback(L.Callback):
         self.collector.rank = trainer.global_rank
         self.datamodule.producer = lambda: self.produce(trainer, pl_module)
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
+        # After the strategy set-up, before the first rollout is fetched. A resumed run (ckpt_path) logged its
+        # baseline already; FSDP restores only after this hook, so the iteration counter cannot tell.
+        if self.cfg.trainer.val_before_train and trainer.ckpt_path is None:
+            with full_params(trainer):
+                stats = self.validate(-1)
+            self._log(trainer, -1, dict(stats, **{"train/env_steps": 0.0}))
+
     # ------------------------------------------------------------------------------ one iteration
     def produce(self, trainer: L.Trainer, pl_module) -> None:
         """This iteration's rollouts, old log-probs and mini-batch count, into the DataModule's buffer."""

@@ -111,3 +111,21 @@ def test_resume_from_an_explicit_checkpoint_path(tmp_path):
     assert [h["iteration"] for h in again["history"] if "rollout/return" in h] == [0, 1]
     with pytest.raises(Exception, match="resume='/nope.ckpt' is not allowed"):
         load_config(FAST + ["resume=/nope.ckpt"])
+
+
+def test_validation_before_training_logs_the_baseline_at_iteration_minus_one(tmp_path):
+    import mlflow
+
+    cfg = load_config(FAST + [f"run_root={tmp_path}", "run_name=v", "logger=mlflow", "trainer.iterations=1",
+                              "trainer.val_before_train=true"])
+    summary = train(cfg)
+    first = summary["history"][0]
+    assert first["iteration"] == -1 and first["train/env_steps"] == 0.0 and "val/score_nomem" in first
+    assert "rollout/return" not in first  # no rollout happened before it
+    client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
+    steps = [(m.step, m.value) for m in client.get_metric_history(summary["mlflow_run_id"], "train/env_steps")]
+    assert steps[0] == (-1, 0.0) and steps[1][0] == 0 and steps[1][1] > 0
+    assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "val/score_nomem")] == [-1, 0]
+    resumed = train(load_config(FAST + [f"run_root={tmp_path}", "run_name=v", "logger=mlflow",
+                                        "trainer.iterations=2", "trainer.val_before_train=true", "resume=auto"]))
+    assert [h["iteration"] for h in resumed["history"] if "val/score_nomem" in h] == [-1, 0, 1]  # baseline once
