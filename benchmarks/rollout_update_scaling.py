@@ -7,7 +7,7 @@ the update on exactly those step samples: `EMPO2Module.old_logprobs` on the beha
 pass of `EMPO2Module.training_step` over the micro-batches that `RolloutDataModule` streams
 (`trainer.ppo_epochs` shuffled passes of mini-batches of `trainer.mini_batch_size` samples, split into
 micro-batches of `trainer.micro_batch_size`), driven by `lightning.Trainer.fit` and timed per step with
-update_efficiency.py's `_StepTimer` (Lightning's set-up and tear-down are not counted).
+update_efficiency.py's `StepTimer` (Lightning's set-up and tear-down are not counted).
 
 Two sweeps:
 
@@ -57,7 +57,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 # run as `python benchmarks/rollout_update_scaling.py`: the benchmarks folder is on sys.path
-from update_efficiency import _StepTimer
+from update_efficiency import StepTimer
 
 from empo2.config import TrainConfig, load_config
 from empo2.envs import get_catalogue
@@ -103,7 +103,7 @@ def measure(cfg: TrainConfig, model, tok, initial: dict[str, torch.Tensor]) -> d
     old = module.old_logprobs(samples, t.micro_batch_size)
     old_s = time.perf_counter() - start
     datamodule.set_rollouts(samples, old, 0, math.ceil(len(samples) / t.mini_batch_size))
-    timer = _StepTimer()
+    timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1, callbacks=[timer])
     trainer.fit(module, datamodule=datamodule)

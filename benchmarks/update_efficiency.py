@@ -70,7 +70,7 @@ class _FixedStream(L.LightningDataModule):
         return DataLoader(self.batches, batch_size=None, num_workers=0)
 
 
-class _StepTimer(L.Callback):
+class StepTimer(L.Callback):
     def __init__(self):
         self.times: list[float] = []
         self._start = 0.0
@@ -83,7 +83,7 @@ class _StepTimer(L.Callback):
 
 
 def time_module(module: EMPO2Module, n_samples: int, steps: int) -> list[float]:
-    timer = _StepTimer()
+    timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1, callbacks=[timer])
     trainer.fit(module, datamodule=_FixedStream(n_samples, steps))
