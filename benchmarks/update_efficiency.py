@@ -62,9 +62,9 @@ def synthetic_samples(vocab: int, n: int, prompt_len: int, response_len: int, se
 class _FixedStream(L.LightningDataModule):
     """The same full mini-batch `steps` times: one optimiser step per training step."""
 
-    def __init__(self, n_samples: int, steps: int):
+    def __init__(self, n_samples: int, num_tokens: int, steps: int):
         super().__init__()
-        self.batches = [MicroBatch(list(range(n_samples)), 1.0, True) for _ in range(steps)]
+        self.batches = [MicroBatch(list(range(n_samples)), num_tokens, n_samples, True) for _ in range(steps)]
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.batches, batch_size=None, num_workers=0)
@@ -82,11 +82,13 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def time_module(module: EMPO2Module, n_samples: int, steps: int) -> list[float]:
+def time_module(module: EMPO2Module, steps: int) -> list[float]:
+    samples = module.buffer.samples
+    n_tokens = sum(len(s.response_ids) for s in samples)
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1, callbacks=[timer])
-    trainer.fit(module, datamodule=_FixedStream(n_samples, steps))
+    trainer.fit(module, datamodule=_FixedStream(len(samples), n_tokens, steps))
     return timer.times
 
 
@@ -153,7 +155,7 @@ def main() -> None:
     module_times: list[float] = []
     raw_times: list[float] = []
     for _ in range(args.rounds):
-        module_times += time_module(module, len(samples), total)[args.warmup:]
+        module_times += time_module(module, total)[args.warmup:]
         raw_times += time_raw(policy_raw, batch, old, adv, cfg, total)[args.warmup:]
 
     rows = []

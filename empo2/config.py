@@ -191,7 +191,11 @@ class TrainerConfig:
     num_nodes: int = opt(1, "Nodes; multi-node runs use Lightning's cluster environments (SLURM, torchrun).", gt=0)
     strategy: str = opt("auto", "Lightning strategy: `auto`, `ddp` (CPU or GPU), `fsdp` (GPU only).",
                         choices=("auto", "ddp", "fsdp", "deepspeed"))
-    precision: str = opt("32-true", "Lightning precision.", choices=("32-true", "bf16-mixed", "bf16-true", "16-mixed"))
+    precision: str = opt("32-true", "Lightning precision. `bf16-mixed` (autocast; old and new log-probs are scored "
+                         "in the same context) halves activation memory on GPUs; `bf16-true` also halves weights "
+                         "and optimizer state, at a precision cost for small learning rates. fp16 (`16-mixed`) is "
+                         "refused: its loss scaling needs unscaled clipping and scaler-driven skips that the manual "
+                         "micro-batch update does not do.", choices=("32-true", "bf16-mixed", "bf16-true"))
     iterations: int = opt(20, "Training iterations (one rollout batch plus its updates each).", gt=0)
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
     mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)
@@ -284,6 +288,9 @@ def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every field against its declared range, then the few rules that span fields."""
+    if cfg.trainer.precision in ("16-mixed", "16", "16-true"):
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision} is not supported: fp16 loss scaling would "
+                          "clip scaled gradients; use bf16-mixed or 32-true")
     for group_name in GROUPS + ("",):
         obj = getattr(cfg, group_name) if group_name else cfg
         prefix = f"{group_name}." if group_name else ""

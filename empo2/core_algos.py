@@ -307,23 +307,42 @@ def empo2_loss_mask(
 # ----------------------------------------------------------------------------------------------
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    response_mask: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss over the kept tokens into a scalar.
 
-    - ``"token-mean"``: sum over kept tokens / number of kept tokens (the released code's choice;
+    - ``"token-mean"``: sum over kept tokens / number of valid tokens (the released code's choice;
       long responses weigh more).
-    - ``"seq-mean-token-mean"``: mean over each response's kept tokens, then mean over responses.
+    - ``"seq-mean-token-mean"``: sum over each response's kept tokens / its valid tokens, then mean over
+      responses.
     - ``"seq-mean-token-sum"``: sum over each response's kept tokens, then mean over responses.
 
-    Sequence means average over responses with at least one kept token, so a response dropped
-    entirely (sequence-mode low-prob mask) does not dilute the others. Denominators are clamped to 1:
-    an all-masked input gives exactly 0 with zero gradient. Values at masked positions never reach
-    the result or its gradient, even when they are NaN or inf.
+    Denominators count *valid* tokens (``response_mask``; ``mask`` itself when it is not given), not
+    kept ones: a token that the loss mask removes (EMPO²'s low-probability mask) counts as a zero-loss
+    token, so masking shrinks the update instead of re-weighting the surviving tokens. This is what
+    makes the aggregate splittable: the valid counts of a whole mini-batch are known before any of its
+    micro-batches runs, while the kept counts are only known after the learner has scored them. Pass
+    the mini-batch's ``num_tokens`` (valid tokens) and ``num_seqs`` (responses) when ``loss_mat`` is one
+    micro-batch of it: the micro-batch aggregates then sum exactly to the mini-batch aggregate,
+    whatever the split. Without them the denominators are this batch's own; responses without a valid
+    token are not counted.
+
+    Denominators are clamped to 1: an all-masked input gives exactly 0 with zero gradient. Values at
+    masked positions never reach the result or its gradient, even when they are NaN or inf.
 
     Args:
         loss_mat: (B, T) per-token loss.
-        mask: (B, T) bool or 0/1, True where the token counts.
+        mask: (B, T) bool or 0/1, True where the token enters the loss.
         mode: one of ``AGG_MODES``.
+        response_mask: (B, T) valid response tokens (``mask`` must lie inside it); default ``mask``.
+        num_tokens: valid tokens of the whole mini-batch (token-mean), default this batch's.
+        num_seqs: responses of the whole mini-batch (sequence modes), default this batch's.
 
     Returns:
         Scalar tensor.
@@ -331,15 +350,19 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
     _check_same_shape(loss_mat=loss_mat, mask=mask)
-    keep = mask.bool()
+    valid = mask.bool() if response_mask is None else response_mask.bool()
+    _check_same_shape(loss_mat=loss_mat, response_mask=valid)
+    keep = mask.bool() & valid
     loss_mat = torch.where(keep, loss_mat, torch.zeros_like(loss_mat))  # where, not *: NaN * 0 is NaN
+    tokens = valid.sum(dim=-1)  # (B,)
     if mode == "token-mean":
-        return loss_mat.sum() / keep.sum().clamp(min=1)
-    tokens = keep.sum(dim=-1)  # (B,)
+        denom = tokens.sum() if num_tokens is None else num_tokens
+        return loss_mat.sum() / max(int(denom), 1)
     seq_loss = loss_mat.sum(dim=-1)  # (B,)
     if mode == "seq-mean-token-mean":
         seq_loss = seq_loss / tokens.clamp(min=1)
-    return seq_loss.sum() / (tokens > 0).sum().clamp(min=1)
+    denom = (tokens > 0).sum() if num_seqs is None else num_seqs
+    return seq_loss.sum() / max(int(denom), 1)
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
@@ -375,6 +398,8 @@ def policy_loss(
     dual_clip_c: float | None = 10.0,
     agg: str = "token-mean",
     response_mask: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dual-clip PPO surrogate, the single loss of both EMPO² update modes.
 
@@ -397,7 +422,10 @@ def policy_loss(
         clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
         dual_clip_c: dual-clip constant (> 1), or None.
         agg: aggregation mode, see `agg_loss`.
-        response_mask: (B, T) valid response tokens, only used for the ``masked_frac`` metric.
+        response_mask: (B, T) valid response tokens: the denominators of `agg_loss` (masked tokens count
+            as zero-loss tokens) and the ``masked_frac`` metric; default ``loss_mask``.
+        num_tokens, num_seqs: the mini-batch's valid tokens and responses when this is one micro-batch of
+            it (see `agg_loss`), so micro-batch losses add up to the mini-batch loss.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss and python floats, each a mean over kept tokens
@@ -445,7 +473,7 @@ def policy_loss(
         loss_dual = -adv * dual_clip_c
         dual_active = (adv < 0) & (loss_dual < loss_mat)
         loss_mat = torch.where(dual_active, loss_dual, loss_mat)
-    loss = agg_loss(loss_mat, keep, agg)
+    loss = agg_loss(loss_mat, keep, agg, response_mask, num_tokens, num_seqs)
 
     with torch.no_grad():
         n_keep = keep.sum().clamp(min=1)

@@ -194,7 +194,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
 
         ref_policy = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
-    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy)
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy,
+                         temperature=cfg.rollout.temperature)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks))
     collector = build_collector(cfg, model, tok, n_envs)
     rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks)

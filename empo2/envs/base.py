@@ -83,14 +83,21 @@ class Catalogue:
                variations: int | None = None) -> list[TaskSpec]:
         """`n` task instances drawn uniformly over (task, variation) pairs of `split` (only the first
         `variations` of each task's split when given), reproducible from `seed` alone (a local generator:
-        no global RNG state is read or changed)."""
+        no global RNG state is read or changed).
+
+        Drawn without replacement: two groups of one instance in a batch would be normalised apart, each
+        against half the rollouts it could be compared with. Only when `n` exceeds the pool does an
+        instance recur, once per further shuffled pass over the pool."""
         import random
 
         pool = [TaskSpec(t, v) for t in (tasks or self.tasks()) for v in self.split(t, split)[:variations]]
         if not pool:
             raise ValueError(f"no task instances in split {split!r} for tasks {tasks or self.tasks()}")
         rng = random.Random(seed)
-        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+        out: list[TaskSpec] = []
+        while len(out) < n:
+            out += rng.sample(pool, min(len(pool), n - len(out)))
+        return out
 
 
 def hash_splits(salt: str, task: str, sizes: dict[str, int]) -> dict[str, list[int]]:

@@ -14,7 +14,6 @@ a resumed run replays exactly what an uninterrupted one would have done.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import lightning as L
 import numpy as np
@@ -25,7 +24,7 @@ from empo2 import core_algos
 from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
-from empo2.lit.data import RolloutDataModule, derive_seed
+from empo2.lit.data import RolloutDataModule, derive_seed, step_counts
 from empo2.rollout.collector import RolloutCollector
 from empo2.rollout.engines import full_named_tensors
 
@@ -72,9 +71,14 @@ class RolloutCallback(L.Callback):
         # Lightning builds the first iterator while `current_epoch` still names the finished epoch.
         self.iteration = 0
         self.env_steps = 0  # environment steps of all training rollouts so far, every rank: the x of sample efficiency
+        # An engine that holds its own weights (vLLM) was built from the initial policy, before Lightning
+        # restored any checkpoint: the first rollout of every fit syncs it, so a resumed run never samples
+        # from the weights it started with.
+        self._engine_synced = False
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
+        self._engine_synced = False
         self.datamodule.producer = lambda: self.produce(trainer, pl_module)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
@@ -90,13 +94,16 @@ class RolloutCallback(L.Callback):
         """This iteration's rollouts, old log-probs and mini-batch count, into the DataModule's buffer."""
         cfg, it = self.cfg, self.iteration
         rank, world = trainer.global_rank, trainer.world_size
-        self.collector.settings.beta = core_algos.beta_at(it, cfg.trainer.iterations, cfg.algo.beta_start,
+        # the schedule ends on the last iteration that runs (iterations - 1), so that one uses beta_end
+        self.collector.settings.beta = core_algos.beta_at(it, cfg.trainer.iterations - 1, cfg.algo.beta_start,
                                                           cfg.algo.beta_end, cfg.algo.beta_schedule)
         tasks = self.catalogue.sample(cfg.rollout.tasks_per_batch * world, cfg.env.train_split,
                                       seed=derive_seed(cfg.seed, it), tasks=cfg.env.tasks or None,
                                       variations=cfg.env.train_variations)
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, it, rank, 1))
         self.collector.add_tips = world == 1
+        if not self._engine_synced:  # produce runs after the restore, on fresh starts and resumes alike
+            self._sync_engine(pl_module)
         with full_params(trainer):
             batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
         self.collector.engine.sleep()  # vLLM with engine.sleep_mode frees its memory for the update
@@ -108,14 +115,15 @@ class RolloutCallback(L.Callback):
         if cfg.algo.update_policy:
             with full_params(trainer):
                 old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
-            n_mini = math.ceil(len(batch.samples) / cfg.trainer.mini_batch_size)
+            busiest = len(batch.samples)
         else:  # memory-only agent: the iteration is its rollouts (and tips); nothing to train on
-            old, n_mini = [], 0
-        if world > 1:  # every rank runs as many optimiser steps as the busiest one
-            t = torch.tensor([n_mini], device=pl_module.device)
+            old, busiest = [], 0
+        if world > 1:  # every rank runs as many optimiser steps (and backward passes) as the busiest one
+            t = torch.tensor([busiest], device=pl_module.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            n_mini = int(t.item())
-        self.datamodule.set_rollouts(batch.samples, old, it, n_mini)
+            busiest = int(t.item())
+        n_mini, micro_per_mini = step_counts(busiest, world, cfg.trainer.mini_batch_size, cfg.trainer.micro_batch_size)
+        self.datamodule.set_rollouts(batch.samples, old, it, n_mini, micro_per_mini)
         steps = torch.tensor([len(batch.samples)], device=pl_module.device)  # one sample per environment step
         if world > 1:
             dist.all_reduce(steps, op=dist.ReduceOp.SUM)
@@ -128,9 +136,13 @@ class RolloutCallback(L.Callback):
                               "mem": stats["memory/size"]}
         self._log(trainer, it, stats)
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+    def _sync_engine(self, pl_module) -> None:
         # full tensors with Hugging Face names (FSDP gathered, LoRA merged); lazy, so HFEngine costs nothing
         self.collector.engine.update_weights(full_named_tensors(pl_module.policy))
+        self._engine_synced = True
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        self._sync_engine(pl_module)
         it = self.iteration
         if (it + 1) % self.cfg.trainer.val_every == 0 or it + 1 == self.cfg.trainer.iterations:
             with full_params(trainer):

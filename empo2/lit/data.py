@@ -6,8 +6,8 @@ Every pass over `RolloutDataModule`'s IterableDataset is one iteration: it first
 epoch-start hook matters: Lightning creates (and prefetches from) the first epoch's iterator before
 `on_train_epoch_start`, both on a fresh start and on resume, so a hook-filled buffer would be read
 while still empty. Each rank streams its own buffer (its own share of the rollouts);
-`num_mini_batches` evens the number of optimiser steps across ranks so collective ops never wait on
-a rank that ran out of data.
+`num_mini_batches` (and, under data parallelism, `micro_per_mini`) even the number of optimiser
+steps and backward passes across ranks so collective ops never wait on a rank that ran out of data.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class RolloutBuffer:
     old_logprobs: list[torch.Tensor] = field(default_factory=list)  # per sample (T_i,), behaviour prompt
     iteration: int = 0
     num_mini_batches: int = 0  # per ppo epoch, identical on every rank
+    # micro-batches per mini-batch on every rank (zero-weight padding where a rank has fewer), or None on one
+    # rank, where nothing has to line up
+    micro_per_mini: int | None = None
 
 
 def collate(samples: list[StepSample], pad_id: int, prompt: str = "train") -> dict[str, torch.Tensor]:
@@ -78,40 +81,80 @@ def pad_logprobs(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 @dataclass
 class MicroBatch:
     """One forward/backward: `indices` into the buffer; the optimiser steps after the micro-batch with
-    `last` set. `share` is its fraction of the mini-batch, the weight of its loss in the mini-batch mean."""
+    `last` set. `num_tokens` and `num_seqs` are the valid response tokens and the responses of the whole
+    mini-batch, known before any micro-batch runs: the loss normalises by them, so the micro-batch losses
+    add up to the mini-batch loss however the mini-batch is split. `weight` is 0 for the padding
+    micro-batches that only keep ranks in step (their gradient is exactly zero), else 1."""
 
     indices: list[int]
-    share: float
+    num_tokens: int
+    num_seqs: int
     last: bool
+    weight: float = 1.0
+
+
+def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int, micro_per_mini: int | None,
+               generator: torch.Generator) -> list[list[MicroBatch]]:
+    """The mini-batches of one PPO epoch over samples with these response lengths: one shuffle, split into
+    `num_mini_batches` parts whose sizes differ by at most one, so every sample counts exactly once per
+    epoch (a rank with fewer samples than its peers gets smaller mini-batches, never repeated ones).
+
+    With `micro_per_mini` set (data parallelism) every mini-batch has exactly that many micro-batches, and a
+    rank with fewer samples than mini-batches still takes part in each step: missing micro-batches are
+    zero-weight repeats of one sample, contributing a zero gradient to the all-reduce.
+    """
+    n = len(lengths)
+    order = torch.randperm(n, generator=generator).tolist()
+    plan = []
+    for k in range(num_mini_batches):  # part k: the same split as numpy's array_split
+        lo, hi = k * n // num_mini_batches, (k + 1) * n // num_mini_batches
+        mini = order[lo:hi]
+        micros = [mini[m:m + micro_batch_size] for m in range(0, len(mini), micro_batch_size)]
+        weights = [1.0] * len(micros)
+        if micro_per_mini is not None:
+            if len(micros) > micro_per_mini:
+                raise ValueError(f"a mini-batch of {len(mini)} needs {len(micros)} micro-batches, "
+                                 f"more than the {micro_per_mini} agreed across ranks")
+            pad = micro_per_mini - len(micros)
+            micros += [[order[0]]] * pad
+            weights += [0.0] * pad
+        tokens = sum(lengths[i] for i in mini)
+        plan.append([MicroBatch(mb, tokens, len(mini), j == len(micros) - 1, w)
+                     for j, (mb, w) in enumerate(zip(micros, weights))])
+    return plan
 
 
 class _MicroBatchStream(IterableDataset):
-    """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches; each pass over the
-    stream produces a new buffer first, so one DataLoader serves every iteration.
+    """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches (`plan_epoch`); each pass over
+    the stream produces a new buffer first, so one DataLoader serves every iteration.
 
     One micro-batch per training step keeps exactly one forward and one backward per step, which is
     what DDP's gradient reducer expects."""
 
-    def __init__(self, buffer: RolloutBuffer, producer: Callable[[], None], ppo_epochs: int, mini_batch_size: int,
+    def __init__(self, buffer: RolloutBuffer, producer: Callable[[], None], ppo_epochs: int,
                  micro_batch_size: int, seed: int, rank: int):
         self.buffer, self.producer, self.ppo_epochs = buffer, producer, ppo_epochs
-        self.mini, self.micro, self.seed, self.rank = mini_batch_size, micro_batch_size, seed, rank
+        self.micro, self.seed, self.rank = micro_batch_size, seed, rank
 
     def __iter__(self):
         self.producer()
-        n = len(self.buffer.samples)
-        if n == 0 or self.buffer.num_mini_batches == 0:
+        buf = self.buffer
+        if not buf.samples or buf.num_mini_batches == 0:
             return
-        want = self.buffer.num_mini_batches * self.mini
+        lengths = [len(s.response_ids) for s in buf.samples]
         for epoch in range(self.ppo_epochs):
-            g = torch.Generator().manual_seed(derive_seed(self.seed, self.buffer.iteration, epoch, self.rank))
-            # cycle shuffled passes until this rank has as many mini-batches as the busiest rank
-            order = torch.cat([torch.randperm(n, generator=g) for _ in range(math.ceil(want / n))])[:want]
-            for start in range(0, want, self.mini):
-                mini = order[start:start + self.mini].tolist()
-                for m in range(0, len(mini), self.micro):
-                    micro = mini[m:m + self.micro]
-                    yield MicroBatch(micro, len(micro) / len(mini), m + self.micro >= len(mini))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, buf.iteration, epoch, self.rank))
+            for mini in plan_epoch(lengths, buf.num_mini_batches, self.micro, buf.micro_per_mini, g):
+                yield from mini
+
+
+def step_counts(busiest: int, world_size: int, mini_batch_size: int, micro_batch_size: int) -> tuple[int, int | None]:
+    """(mini-batches per epoch, micro-batches per mini-batch) that every rank runs, set by the busiest rank's
+    sample count; on one rank the micro-batch count is left free (None)."""
+    n_mini = math.ceil(busiest / mini_batch_size)
+    if world_size == 1 or n_mini == 0:
+        return n_mini, None
+    return n_mini, math.ceil(math.ceil(busiest / n_mini) / micro_batch_size)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -123,16 +166,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.producer: Callable[[], None] | None = None  # set by RolloutCallback.setup
 
     def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int,
-                     num_mini_batches: int) -> None:
+                     num_mini_batches: int, micro_per_mini: int | None = None) -> None:
         self.buffer.samples, self.buffer.old_logprobs = samples, old_logprobs
         self.buffer.iteration, self.buffer.num_mini_batches = iteration, num_mini_batches
+        self.buffer.micro_per_mini = micro_per_mini
 
     def train_dataloader(self) -> DataLoader:
         if self.producer is None:
             raise RuntimeError("RolloutDataModule needs a RolloutCallback in the Trainer to produce rollouts")
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        stream = _MicroBatchStream(self.buffer, self.producer, self.ppo_epochs, self.mini_batch_size,
-                                   self.micro_batch_size, self.seed, rank)
+        stream = _MicroBatchStream(self.buffer, self.producer, self.ppo_epochs, self.micro_batch_size, self.seed,
+                                   rank)
         # batch_size=None: the stream already yields whole micro-batches; no worker processes, the buffer
         # lives in this process and changes every iteration
         return DataLoader(stream, batch_size=None, num_workers=0)

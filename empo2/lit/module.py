@@ -10,6 +10,7 @@ finite, in which case the step is skipped and counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -31,21 +32,26 @@ class NonFiniteLossError(RuntimeError):
 
 class EMPO2Module(L.LightningModule):
     def __init__(self, policy, tokenizer, algo: AlgoConfig, trainer_cfg: TrainerConfig, buffer: RolloutBuffer,
-                 ref_policy=None):
+                 ref_policy=None, temperature: float = 1.0):
         super().__init__()
         self.automatic_optimization = False  # micro-batch accumulation and the non-finite guard are explicit
         self.policy = policy
         self.ref_policy = ref_policy  # frozen, only when algo.kl_coef > 0 (LoRA: the base with adapters off)
         self.pad_id = tokenizer.pad_token_id
         self.algo, self.tcfg, self.buffer = algo, trainer_cfg, buffer
+        # the rollout temperature: responses were sampled from softmax(logits / T), so ratios, the delta mask
+        # and the entropy are judged on that distribution (as verl does), not on T = 1
+        self.temperature = temperature
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self._totals: dict[str, float] = {}  # metrics of the current mini-batch, weighted by micro-batch share
+        self._totals: dict[str, float] = {}  # metrics of the current mini-batch, weighted by token share
         self.progress: dict[str, float] = {}  # latest rollout numbers, shown in the progress bar
 
     # ------------------------------------------------------------------------------------ log-probs
-    def response_logprobs(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
-        """log pi(response token | prompt, previous response tokens), (B, T), float32.
+    def response_logprobs(self, batch: dict[str, torch.Tensor], model=None,
+                          with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """log pi_T(response token | prompt, previous response tokens), (B, T), float32, where pi_T is the
+        sampling distribution softmax(logits / temperature); with `with_entropy` also its entropy, (B, T).
 
         Responses start at the same column P (see `collate`), so the LM head runs on the last T+1
         positions only: no full-vocabulary logits over prompt tokens.
@@ -55,8 +61,20 @@ class EMPO2Module(L.LightningModule):
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False)
         logits = out.logits[:, :-1].float()  # (B, T, V): position P-1+j predicts response token j
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         logp = torch.log_softmax(logits, dim=-1)
-        return logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, T)
+        token_logp = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, T)
+        if with_entropy:
+            return token_logp, core_algos.entropy_from_logits(logits)
+        return token_logp
+
+    def _precision(self):
+        """The autocast context the update runs in (Lightning enters it around `training_step`), for the
+        passes made outside it: old log-probs scored in another precision would make the first ratio != 1."""
+        if self._trainer is None:
+            return contextlib.nullcontext()
+        return self.trainer.precision_plugin.forward_context()
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -69,46 +87,68 @@ class EMPO2Module(L.LightningModule):
 
     @torch.no_grad()
     def old_logprobs(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
-        """Behaviour log-probs with the current weights, before any update of this iteration."""
+        """Behaviour log-probs with the current weights, before any update of this iteration, scored at the
+        rollout temperature in the update's precision context."""
         was_training = self.policy.training
         self.policy.eval()
         rows: list[torch.Tensor] = []
-        for start in range(0, len(samples), micro_batch_size):
-            mb = samples[start:start + micro_batch_size]
-            batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id, prompt="behaviour").items()}
-            lp = self.response_logprobs(batch).cpu()  # (b, T)
-            rows += [lp[b, :len(s.response_ids)] for b, s in enumerate(mb)]
+        with self._precision():
+            for start in range(0, len(samples), micro_batch_size):
+                mb = samples[start:start + micro_batch_size]
+                batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id, prompt="behaviour").items()}
+                lp = self.response_logprobs(batch).cpu()  # (b, T)
+                rows += [lp[b, :len(s.response_ids)] for b, s in enumerate(mb)]
         self.policy.train(was_training)
         return rows
 
     # ------------------------------------------------------------------------------------- update
-    def training_step(self, micro: MicroBatch, batch_idx: int):
-        """One micro-batch of the EMPO² update; the optimiser steps after the last one of a mini-batch."""
+    def micro_batch_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """The EMPO² loss of one micro-batch as its part of the mini-batch loss: every term is normalised by
+        the whole mini-batch's valid tokens / responses (`MicroBatch`), so the micro-batch losses, and their
+        gradients, add up to the mini-batch's however it is split. Returns (loss, metrics, offpolicy (b,))."""
         a = self.algo
         samples = [self.buffer.samples[i] for i in micro.indices]
         batch = {k: v.to(self.device) for k, v in collate(samples, self.pad_id, prompt="train").items()}
         mask = batch["response_mask"]  # (b, T)
-        logp = self.response_logprobs(batch)  # (b, T), learner prompt: tip-free for off-policy samples
+        # learner prompt: tip-free for off-policy samples
+        out = self.response_logprobs(batch, with_entropy=a.entropy_coef > 0)
+        logp, entropy = out if a.entropy_coef > 0 else (out, None)  # (b, T) each
         old = pad_logprobs([self.buffer.old_logprobs[i] for i in micro.indices], mask.shape[1])
         old = old.to(self.device)  # (b, T), behaviour prompt, current weights before this iteration's updates
         adv = torch.tensor([s.advantage for s in samples], device=self.device)  # (b,)
         offpolicy = torch.tensor([s.offpolicy for s in samples], device=self.device)  # (b,)
         # off-policy tokens the tip-free (target) policy finds unlikely (p < delta) leave the loss
         loss_mask = core_algos.empo2_loss_mask(mask, logp.detach(), offpolicy, a.delta, a.mask_mode, a.mask_scope)
+        norm = dict(response_mask=mask, num_tokens=micro.num_tokens, num_seqs=micro.num_seqs)
         loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high, a.dual_clip_c,
-                                               a.loss_agg, response_mask=mask)
+                                               a.loss_agg, **norm)
         if a.kl_coef > 0:
             ref = self.ref_logprobs(batch)
-            kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg)
+            kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg, **norm)
             loss = loss + a.kl_coef * kl
             metrics["kl_ref"] = float(kl.detach())
+        if entropy is not None:  # a bonus: maximising entropy lowers the loss (verl's sign)
+            ent = core_algos.agg_loss(entropy, loss_mask, a.loss_agg, **norm)
+            loss = loss - a.entropy_coef * ent
+            metrics["entropy"] = float(ent.detach())
         metrics["loss"] = float(loss.detach())
-        metrics["offpolicy_frac"] = float(offpolicy.float().mean())
-        # Backward even when the loss is not finite: under DDP every rank must reduce, and the NaN then
-        # reaches every rank's gradient norm, so all ranks skip the same step.
-        self.manual_backward(loss * micro.share)  # micro-batch share of the mini-batch mean
-        for k, v in metrics.items():
-            self._totals[k] = self._totals.get(k, 0.0) + v * micro.share
+        return loss, metrics, offpolicy
+
+    def training_step(self, micro: MicroBatch, batch_idx: int):
+        """One micro-batch of the EMPO² update; the optimiser steps after the last one of a mini-batch."""
+        loss, metrics, offpolicy = self.micro_batch_loss(micro)
+        # Backward even when the loss is not finite, and for zero-weight padding: under DDP every rank must
+        # reduce, and a NaN then reaches every rank's gradient norm, so all ranks skip the same step.
+        self.manual_backward(loss * micro.weight)
+        if micro.weight:
+            tokens = sum(len(self.buffer.samples[i].response_ids) for i in micro.indices)
+            share = tokens / max(micro.num_tokens, 1)  # this micro-batch's share of the mini-batch's tokens
+            for k, v in metrics.items():
+                # loss, kl_ref and entropy are already parts of the mini-batch aggregate: they add up
+                w = 1.0 if k in ("loss", "kl_ref", "entropy") else share
+                self._totals[k] = self._totals.get(k, 0.0) + v * w
+            self._totals["offpolicy_frac"] = self._totals.get("offpolicy_frac", 0.0) + \
+                float(offpolicy.float().sum()) / max(micro.num_seqs, 1)
         if micro.last:
             self._step()
             maybe_fail("update", self.buffer.iteration)

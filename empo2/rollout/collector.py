@@ -32,9 +32,15 @@ class NoveltyCounter:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
 
-    def visit(self, key: str) -> int:
-        self.counts[key] = self.counts.get(key, 0) + 1
-        return self.counts[key]
+    def visit_step(self, keys: list[str]) -> list[int]:
+        """Count every visit of one lock-step step, then read n(s) for each: rollouts that reach the same
+        state at the same step get the same count, so the bonus is a function of the batch, never of the
+        order the environments are stepped in (counting one environment at a time would pay the
+        lowest-indexed rollout more, and std-normalised advantages would blow that up into a signal
+        that encodes the rollout index)."""
+        for key in keys:
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return [self.counts[key] for key in keys]
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -158,12 +164,13 @@ class RolloutCollector:
                 traj.invalid_actions += int(bool(res.info.get("invalid_action", False)))
                 if res.info.get("env_error"):
                     traj.env_error = str(res.info["env_error"])
-                if not evaluate:  # visit count n(s) of the state this action led to; 1/n(s) is taken below
-                    traj.intrinsic.append(self.novelty.visit(envs[i].state_key()))
                 histories[i].append((obs[i], res.info.get("parsed_action") or gen.text))
                 obs[i] = res.obs
                 if not res.done:
                     still_live.append(i)
+            if not evaluate:  # visit counts n(s) of the states this step led to; 1/n(s) is taken below
+                for i, n in zip(live, self.novelty.visit_step([envs[i].state_key() for i in live])):
+                    trajs[i].intrinsic.append(n)
             live = still_live
             timing["env"] += time.perf_counter() - t0
 

@@ -171,3 +171,22 @@ def test_a_short_scienceworld_batch_on_the_real_jvm(policy, embedder):
     assert all(1 <= tr.length <= 3 and tr.env_error is None for tr in batch.trajectories)
     assert all(0 <= tr.score <= 100 for tr in batch.trajectories)
     assert batch.stats["intrinsic/states_seen"] >= 1
+
+
+def test_identical_rollouts_get_identical_returns_and_zero_advantages(policy, embedder):
+    """Greedy decoding plays the same action script in all 8 rollouts of one instance: they reach the same
+    states at the same steps, so each must get the same novelty bonus whatever its index in the group."""
+    model, tok = policy
+    n = 8
+    settings = CollectorSettings(p=0.0, beta=0.8, temperature=0.0, max_new_tokens=6, max_episode_steps=4,
+                                 write_tips=False)
+    envs = [make_env("minisci", max_steps=4) for _ in range(n)]
+    c = RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512), envs, None, None, settings)
+    for _ in range(2):  # the second batch starts from the counts the first one left
+        batch = c.collect([TaskSpec("find-living-thing", 0)], n, 0, torch.Generator().manual_seed(0))
+        scripts = {tuple(tuple(s.response_ids) for s in tr.samples) for tr in batch.trajectories}
+        assert len(scripts) == 1
+        assert len({tuple(tr.intrinsic) for tr in batch.trajectories}) == 1
+        assert len({tr.ret for tr in batch.trajectories}) == 1
+        assert all(s.advantage == 0.0 for s in batch.samples)
+        assert sum(batch.trajectories[0].intrinsic) > 0

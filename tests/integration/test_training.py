@@ -12,7 +12,7 @@ from empo2.train import train
 
 FAST = ["model=tiny", "logger=none", "trainer.iterations=2", "trainer.mini_batch_size=4",
         "trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.val_every=1", "trainer.ckpt_every=1",
-        "rollout.tasks_per_batch=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
+        "rollout.tasks_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
         "rollout.tip_max_new_tokens=12", "rollout.max_prompt_tokens=384", "env.max_steps=3",
         "env.val_variations=1", "algo.p=0.5", "algo.q=0.5", "seed=0"]
 
@@ -37,6 +37,8 @@ def test_two_iterations_update_the_policy_and_write_a_summary(tmp_path):
         assert key in saved["metrics"], key
     rollouts = [h for h in saved["history"] if "rollout/return" in h]
     assert len(rollouts) == 2
+    # the linear schedule spans the iterations that run: beta_start on the first, beta_end on the last
+    assert [h["algo/beta"] for h in rollouts] == pytest.approx([cfg.algo.beta_start, cfg.algo.beta_end])
     n_traj = cfg.rollout.tasks_per_batch * cfg.rollout.group_size  # env steps = episode length x episodes
     assert [h["train/env_steps"] for h in rollouts] == pytest.approx(
         np.cumsum([h["rollout/episode_len"] * n_traj for h in rollouts]).tolist())

@@ -99,3 +99,10 @@ def test_cli_help_lists_subcommands():
     assert proc.returncode == 0
     for name in ("train", "eval", "adapt", "grid", "sweep", "compare", "models"):
         assert name in proc.stdout
+
+
+def test_fp16_precision_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"^trainer.precision=16-mixed is not supported: fp16 loss scaling") as e:
+        load_config(["trainer.precision=16-mixed"])
+    assert "\n" not in str(e.value)
+    assert load_config(["trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"

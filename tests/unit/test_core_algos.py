@@ -336,9 +336,10 @@ def test_policy_loss_by_hand():
     # A = -1:  ratio 0.5 < 0.8: max(0.5, 0.8)    -> l =  0.8   (clipped)
     #          ratio 20: max(20, 1.3) = 20, min(20, 10) -> l = 10 (dual clip)
     #          ratio 1.0                         -> l =  1.0
-    # token-mean over 5 kept tokens: (-1.1 - 1.3 + 0.8 + 10 + 1) / 5 = 9.4 / 5 = 1.88
+    # token-mean over the 6 valid tokens (the masked one counts as a zero-loss token):
+    # (-1.1 - 1.3 + 0.8 + 10 + 1) / 6 = 9.4 / 6 = 1.5667
     assert loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(1.88, abs=1e-6)
+    assert loss.item() == pytest.approx(9.4 / 6, abs=1e-6)
     assert m["clip_frac"] == pytest.approx(2 / 5)
     assert m["dual_clip_frac"] == pytest.approx(1 / 5)
     assert m["ratio_mean"] == pytest.approx((1.1 + 1.5 + 0.5 + 20 + 1) / 5, rel=1e-6)  # 4.82
@@ -346,8 +347,8 @@ def test_policy_loss_by_hand():
     assert m["approx_kl"] == pytest.approx(16.2966396 / 5, rel=1e-5)
     assert m["masked_frac"] == pytest.approx(1 / 6)  # 1 of 6 valid response tokens removed
     loss.backward()
-    # d l / d logprob = -A * ratio on unclipped tokens, 0 where clipped, dual-clipped or masked; / 5 tokens
-    expected_grad = torch.tensor([[-1.1 / 5, 0.0, 0.0], [0.0, 0.0, 1.0 / 5]])
+    # d l / d logprob = -A * ratio on unclipped tokens, 0 where clipped, dual-clipped or masked; / 6 tokens
+    expected_grad = torch.tensor([[-1.1 / 6, 0.0, 0.0], [0.0, 0.0, 1.0 / 6]])
     torch.testing.assert_close(lp.grad, expected_grad)
     assert lp.grad[0, 2].item() == 0.0 and lp.grad[0, 1].item() == 0.0 and lp.grad[1, 1].item() == 0.0
 
@@ -364,6 +365,10 @@ def test_policy_loss_aggregation_and_dual_clip_switch_by_hand():
     assert loss.item() == pytest.approx(3.88, abs=1e-5)
     assert m["dual_clip_frac"] == 0.0
     assert ca.policy_loss(lp, old, adv, loss_mask)[1]["masked_frac"] == 0.0  # no response_mask given
+    # with the response mask, the masked token of seq 0 counts in its denominators: (-2.4 / 3 + 11.8 / 3) / 2
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    loss, _ = ca.policy_loss(lp, old, adv, loss_mask, agg="seq-mean-token-mean", response_mask=valid)
+    assert loss.item() == pytest.approx((-2.4 / 3 + 11.8 / 3) / 2, abs=1e-6)  # 1.5667
 
 
 def test_policy_loss_asymmetric_clip():
@@ -566,3 +571,38 @@ def test_entropy_from_logits():
     torch.testing.assert_close(
         ca.entropy_from_logits(logits), torch.distributions.Categorical(logits=logits).entropy()
     )
+
+
+
+@pytest.mark.parametrize("mode", ca.AGG_MODES)
+def test_agg_loss_of_micro_batches_sums_to_the_mini_batch_aggregate(mode):
+    """Split-invariance: with the mini-batch's valid-token and response counts, micro-batch aggregates add
+    up to the aggregate of the whole mini-batch, for any split and any loss mask inside the valid tokens."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 7, 9
+    lengths = torch.tensor([1, 9, 3, 6, 2, 8, 5])
+    valid = torch.arange(T)[None, :] < lengths[:, None]  # (B, T)
+    keep = valid & (torch.rand(B, T, generator=g) > 0.3)  # a delta-like mask drops ~30% of tokens
+    keep[4] = False  # one response masked entirely
+    loss_mat = torch.randn(B, T, generator=g).requires_grad_()
+    whole = ca.agg_loss(loss_mat, keep, mode, valid)
+    (grad_whole,) = torch.autograd.grad(whole, loss_mat)
+    for bounds in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 3, 7], [0, 5, 6, 7]):
+        parts = [ca.agg_loss(loss_mat[a:b], keep[a:b], mode, valid[a:b], int(valid.sum()), B)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        total = torch.stack(parts).sum()
+        (grad,) = torch.autograd.grad(total, loss_mat)
+        assert total.item() == pytest.approx(whole.item(), rel=1e-6)
+        torch.testing.assert_close(grad, grad_whole)
+
+
+def test_agg_loss_counts_masked_tokens_as_zero_loss_tokens_by_hand():
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    valid = torch.tensor([[True, True, True], [True, False, False]])
+    keep = torch.tensor([[True, False, True], [True, False, False]])
+    assert ca.agg_loss(loss_mat, keep, "token-mean", valid).item() == pytest.approx((1 + 3 + 4) / 4)
+    assert ca.agg_loss(loss_mat, keep, "seq-mean-token-mean", valid).item() == pytest.approx((4 / 3 + 4) / 2)
+    assert ca.agg_loss(loss_mat, keep, "seq-mean-token-sum", valid).item() == pytest.approx((4 + 4) / 2)
+    # one micro-batch of a mini-batch of 10 valid tokens and 4 responses
+    assert ca.agg_loss(loss_mat, keep, "token-mean", valid, num_tokens=10).item() == pytest.approx(8 / 10)
+    assert ca.agg_loss(loss_mat, keep, "seq-mean-token-sum", valid, num_seqs=4).item() == pytest.approx(8 / 4)

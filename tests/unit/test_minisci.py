@@ -375,3 +375,14 @@ def test_catalogue_sample_can_be_limited_to_the_first_train_variations():
     allowed = {(t, v) for t in cat.tasks() for v in cat.split(t, "train")[:2]}
     assert {(s.task, s.variation) for s in drawn} == allowed  # 200 draws cover all 8 instances, nothing else
     assert cat.sample(5, "train", seed=3, variations=2) == cat.sample(5, "train", seed=3, variations=2)
+
+
+def test_catalogue_sample_draws_instances_without_replacement():
+    from empo2.envs import get_catalogue
+
+    cat = get_catalogue("minisci")
+    pool = {(t, v) for t in cat.tasks() for v in cat.split(t, "train")[:2]}
+    drawn = [(s.task, s.variation) for s in cat.sample(len(pool), "train", seed=1, variations=2)]
+    assert sorted(drawn) == sorted(pool)  # no instance twice while others are left out
+    more = [(s.task, s.variation) for s in cat.sample(len(pool) + 3, "train", seed=1, variations=2)]
+    assert set(more[:len(pool)]) == pool and len(set(more[len(pool):])) == 3

@@ -1,0 +1,172 @@
+"""The update computes what the algorithm says, with the real tiny model: split-invariant loss, exact
+first-step ratios under bf16 autocast and a sampling temperature, and a generation engine that holds its
+own weights synced after a resume."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from empo2 import core_algos
+from empo2.config import ModelConfig, load_config
+from empo2.lit.data import RolloutBuffer, plan_epoch
+from empo2.lit.module import EMPO2Module
+from empo2.models import load_policy
+from empo2.rollout.engines import HFEngine, SamplingParams
+from empo2.rollout.types import StepSample
+from empo2.train import state_fingerprint, train
+
+from .test_training import FAST, StopAfter
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy(ModelConfig(name="tiny"))
+
+
+def _samples(vocab: int, n: int = 9) -> list[StepSample]:
+    """Prompts and responses of very different lengths; every other sample off-policy (its train prompt is
+    the behaviour prompt without a 'tip' span)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, vocab, (5 + 7 * i % 23,), generator=g).tolist()
+        tips = torch.randint(3, vocab, (6,), generator=g).tolist()
+        response = torch.randint(3, vocab, (1 + (5 * i) % 11,), generator=g).tolist()
+        off = i % 2 == 1
+        out.append(StepSample(behaviour_ids=tips + prompt if off else prompt, train_ids=prompt,
+                              response_ids=response, memory=off, offpolicy=off, group_id=0, traj_id=i, step=0,
+                              advantage=float(i % 3) - 1.0))
+    return out
+
+
+@pytest.mark.parametrize("agg", core_algos.AGG_MODES)
+def test_mini_batch_gradient_does_not_depend_on_the_micro_batch_split(policy, agg):
+    model, tok = policy
+    cfg = load_config(["model=tiny", f"algo.loss_agg={agg}", "algo.kl_coef=0", "algo.entropy_coef=0.01"])
+    samples = _samples(model.config.vocab_size)
+    module = EMPO2Module(copy.deepcopy(model), tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+    module.buffer.old_logprobs = [lp + 0.3 * torch.randn(len(lp)) for lp in module.old_logprobs(samples, 4)]
+    # delta at the median tip-free probability of the off-policy tokens: about half of them are masked
+    with torch.no_grad():
+        lp = torch.cat([module.old_logprobs([s], 1)[0] for s in samples if s.offpolicy])
+    cfg.algo.delta = float(lp.exp().median())
+    lengths = [len(s.response_ids) for s in samples]
+
+    def grads(micro_batch_size):
+        module.policy.zero_grad(set_to_none=True)
+        plan = plan_epoch(lengths, 1, micro_batch_size, None, torch.Generator().manual_seed(3))
+        masked = []
+        for micro in plan[0]:
+            loss, metrics, _ = module.micro_batch_loss(micro)
+            (loss * micro.weight).backward()
+            masked.append(metrics["masked_frac"])
+        assert max(masked) > 0  # the delta mask is active
+        return {n: p.grad.clone() for n, p in module.policy.named_parameters()}
+
+    whole, split = grads(len(samples)), grads(1)
+    for name in whole:  # relative to each gradient's norm: single float32 entries near 0 carry rounding
+        assert (split[name] - whole[name]).norm() <= 1e-5 * whole[name].norm(), name
+    assert any(g.abs().sum() > 0 for g in whole.values())
+
+
+def test_entropy_bonus_enters_the_loss(policy):
+    model, tok = policy
+    samples = _samples(model.config.vocab_size, n=4)
+    losses = {}
+    for coef in (0.0, 0.5):
+        cfg = load_config(["model=tiny", f"algo.entropy_coef={coef}"])
+        module = EMPO2Module(copy.deepcopy(model), tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+        module.buffer.old_logprobs = module.old_logprobs(samples, 4)
+        micro = plan_epoch([len(s.response_ids) for s in samples], 1, 4, None, torch.Generator().manual_seed(0))[0][0]
+        loss, metrics, _ = module.micro_batch_loss(micro)
+        losses[coef] = (loss.item(), metrics.get("entropy"))
+    assert losses[0.0][1] is None and losses[0.5][1] > 0
+    assert losses[0.5][0] == pytest.approx(losses[0.0][0] - 0.5 * losses[0.5][1], rel=1e-5)
+
+
+def test_old_logprobs_are_the_sampling_distribution_at_the_rollout_temperature(policy):
+    """What the engine sampled from, softmax(logits / T), read off `generate`'s processed scores, must be
+    what the trainer takes as behaviour log-probs."""
+    model, tok = policy
+    engine = HFEngine(model, tok)
+    params = SamplingParams(temperature=0.7, max_new_tokens=6, stop_at_newline=False)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                             generation_config=engine._generation_config(params), output_scores=True,
+                             return_dict_in_generate=True)
+    response = out.sequences[0, prompt.shape[1]:].tolist()
+    sampled = torch.stack([torch.log_softmax(s[0].float(), -1)[t] for s, t in zip(out.scores, response)])
+    sample = StepSample(behaviour_ids=prompt[0].tolist(), train_ids=prompt[0].tolist(), response_ids=response,
+                        memory=False, offpolicy=False, group_id=0, traj_id=0, step=0)
+    cfg = load_config(["model=tiny"])
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer([sample]), temperature=0.7)
+    torch.testing.assert_close(module.old_logprobs([sample], 1)[0], sampled, rtol=1e-5, atol=1e-5)
+    at_t1 = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer([sample])).old_logprobs([sample], 1)[0]
+    assert (at_t1 - sampled).abs().max() > 1e-3  # scoring at T = 1 would judge another distribution
+
+
+class FirstStep(L.Callback):
+    """The actor metrics of the first optimiser step of the run."""
+
+    def __init__(self):
+        self.metrics = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.metrics is None and "actor/ratio_mean" in trainer.callback_metrics:
+            self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("actor/")}
+
+
+@pytest.mark.parametrize("overrides", [["trainer.precision=bf16-mixed"], ["rollout.temperature=0.7"]],
+                         ids=["bf16-mixed", "temperature-0.7"])
+def test_first_mini_batch_ratio_is_exactly_one_on_policy(tmp_path, overrides):
+    """Old and new log-probs of on-policy samples under the same weights, precision and temperature: the
+    first step's ratio is 1 and its KL 0, to the bit (one sample per micro-batch, so shapes match too)."""
+    rec = FirstStep()
+    cfg = load_config(FAST + overrides + ["algo.p=0", "trainer.iterations=1", "trainer.mini_batch_size=64",
+                                          "trainer.micro_batch_size=1", f"run_root={tmp_path}", "run_name=r"])
+    train(cfg, callbacks=[rec])
+    assert rec.metrics is not None
+    assert rec.metrics["actor/ratio_mean"] == 1.0
+    assert rec.metrics["actor/approx_kl"] == 0.0
+    assert rec.metrics["actor/clip_frac"] == 0.0
+
+
+class OwnWeightsEngine(HFEngine):
+    """An engine that, like vLLM, samples from its own copy of the weights, and records the weights each
+    `generate` call and each sync saw."""
+
+    events: list[tuple[str, str]] = []
+
+    def __init__(self, model, tokenizer):
+        super().__init__(copy.deepcopy(model), tokenizer)
+
+    def update_weights(self, named_tensors):
+        self.model.load_state_dict(dict(named_tensors))
+        self.events.append(("sync", state_fingerprint(self.model)))
+
+    def generate(self, prompts, params, seed=None):
+        self.events.append(("generate", state_fingerprint(self.model)))
+        return super().generate(prompts, params, seed)
+
+
+def test_an_engine_with_its_own_weights_samples_from_the_restored_policy_after_resume(tmp_path, monkeypatch):
+    import empo2.rollout.engines as engines
+
+    monkeypatch.setattr(engines, "build_engine", lambda cfg, model, tok, model_path=None: OwnWeightsEngine(model, tok))
+    # rollouts of five steps reach different states: nonzero advantages, so the weights move
+    args = FAST + ["trainer.iterations=2", "env.max_steps=5", f"run_root={tmp_path}",
+                   "run_name=r", "trainer.val_every=5"]
+    first = train(load_config(args), callbacks=[StopAfter(1)])
+    sd = torch.load(first["checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
+    restored, _ = load_policy(ModelConfig(name="tiny"))
+    restored.load_state_dict({k.removeprefix("policy."): v for k, v in sd.items()})
+    initial = state_fingerprint(load_policy(ModelConfig(name="tiny"))[0])
+    assert state_fingerprint(restored) != initial
+    OwnWeightsEngine.events = []
+    train(load_config(args + ["resume=auto"]))
+    first_generate = next(fp for kind, fp in OwnWeightsEngine.events if kind == "generate")
+    assert first_generate == state_fingerprint(restored)
