@@ -15,6 +15,10 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
                    with peft's own merge_and_unload
   throughput       vLLM and HFEngine tokens/s on one batch (reported, not checked)
   fsdp_one_iteration  `empo2 train debug=fast trainer=fsdp`: one iteration with the sharded policy
+  fsdp_summon_path    generation, old log-probs and validation run inside FSDP.summon_full_params, which
+                      PyTorch documents as not for forward passes: on-policy (p=0), one sample per
+                      micro-batch, the first step's ratio must be 1 and its KL 0 (to bf16 rounding), i.e.
+                      the log-probs scored there equal the sharded forward of the update
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -206,6 +210,33 @@ def main() -> int:
             assert proc.returncode == 0, proc.stderr[-2000:]
             summary = json.loads((Path(root) / "fsdp" / "summary.json").read_text())
         return {"iterations": len(summary["history"]), "strategy": summary["config"]["trainer"]["strategy"]}
+
+    @check("fsdp_summon_path")
+    def _():
+        import lightning as L
+
+        from empo2.config import load_config
+        from empo2.train import train
+
+        class FirstStep(L.Callback):
+            metrics: dict | None = None
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if self.metrics is None and "actor/ratio_mean" in trainer.callback_metrics:
+                    self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("actor/")}
+
+        rec = FirstStep()
+        with tempfile.TemporaryDirectory() as root:
+            cfg = load_config(["debug=fast", "trainer=fsdp", "trainer.devices=1", "trainer.iterations=1",
+                               "engine=hf", "algo.p=0", "trainer.micro_batch_size=1", "trainer.mini_batch_size=64",
+                               "trainer.val_before_train=true", f"run_root={root}", "run_name=summon"])
+            summary = train(cfg, callbacks=[rec])
+        assert rec.metrics is not None, "no optimiser step ran"
+        assert any("rollout/return" in h for h in summary["history"]), "no rollout inside summon_full_params"
+        assert any("val/score_nomem" in h for h in summary["history"]), "no validation inside summon_full_params"
+        ratio, kl = rec.metrics["actor/ratio_mean"], rec.metrics["actor/approx_kl"]
+        assert abs(ratio - 1.0) < 1e-2 and kl < 1e-3, f"first-step ratio {ratio}, approx_kl {kl}"
+        return {"first_step_ratio_mean": ratio, "first_step_approx_kl": kl}
 
     return report(args.out)
 

@@ -150,6 +150,10 @@ class RolloutConfig:
     history_turns: int | None = opt(None, "Keep at most this many past observation/action turns; null keeps "
                                     "all that fit.", gt=0, nullable=True)
     tip_max_new_tokens: int = opt(160, "Token budget when the policy writes its tip (~100 words).", gt=0)
+    tips_in_history: bool = opt(False, "Keep each step's tip block in its user turn when the turn becomes history "
+                                "(released code), so later prompts and the tip request carry every tip the "
+                                "episode saw; off-policy samples drop all of them. False (paper): only the "
+                                "current turn carries tips; prompts stay shorter.")
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -168,6 +172,17 @@ class MemoryConfig:
                                 "similarity only. With score points, 0.005 lets a 100-point tip gain 0.5.", ge=0)
     per_step_entries: bool = opt(False, "Store one entry per step (tip + action + final score, released code) "
                                  "instead of one per episode.")
+    step_entry_key: str = opt("step", "Key of per-step entries: the embedding of their own step's state (`step`: "
+                              "retrieval finds the entry of the matching step) or of the episode's final state "
+                              "(`final`, released code: every entry of an episode shares one key).",
+                              choices=("step", "final"))
+    key_text: str = opt("state", "Text embedded as memory key and query: `state` is the task and the current "
+                        "observation (compact: retrieval follows where the agent is); `history` is the whole chat "
+                        "so far (released code; MiniLM reads its first 256 word pieces, so long episodes are "
+                        "keyed by their beginning).", choices=("state", "history"))
+    rank_by: str = opt("similarity", "Which tips above min_sim fill the top_k: the most `similarity`-close (paper) "
+                       "or those from the best-`score` episodes (released code; favours tips that worked).",
+                       choices=("similarity", "score"))
     embedder_path: str | None = opt(None, "Local sentence-transformers model; null uses the bundled "
                                     "all-MiniLM-L6-v2.", nullable=True)
     ef_search: int = opt(64, "hnswlib query breadth: recall vs latency.", gt=0)

@@ -58,14 +58,15 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
         m = cfg.memory
         memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
                            eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
-                           ef_search=m.ef_search, seed=cfg.seed)
+                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed)
     a, r = cfg.algo, cfg.rollout
     settings = CollectorSettings(
         p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
         adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
         max_episode_steps=cfg.env.max_steps or 100, top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
-        per_step_entries=cfg.memory.per_step_entries)
+        per_step_entries=cfg.memory.per_step_entries, step_entry_key=cfg.memory.step_entry_key,
+        key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history)
     specials = list(getattr(tokenizer, "all_special_tokens", []))
     return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
 

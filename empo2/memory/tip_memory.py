@@ -34,12 +34,13 @@ FORMAT = "empo2.tip_memory/1"
 RECORDS_FILE = "records.json"
 EMBEDDINGS_FILE = "embeddings.npy"
 EVICTION_POLICIES = ("oldest", "utility")
+RANKINGS = ("similarity", "score")
 # With utility blending, this many times k candidates are re-ranked so a useful tip slightly
 # below the k-th similarity can still move up.
 _RERANK_FACTOR = 4
 
 _CONFIG_KEYS = ("dim", "namespace", "capacity_per_namespace", "eviction", "min_sim", "top_k",
-                "utility_weight", "M", "ef_construction", "ef_search", "seed")
+                "utility_weight", "rank_by", "M", "ef_construction", "ef_search", "seed")
 
 Hit = tuple[TipRecord, float]
 
@@ -52,19 +53,23 @@ class TipMemory:
         `eviction` "oldest" (insertion order) or "utility" (lowest `TipRecord.utility`, oldest on ties).
     min_sim, top_k: search defaults (keep tips with cosine >= min_sim, at most top_k per query).
     utility_weight: search ranks by `sim + utility_weight * utility` (0 = similarity only).
+    rank_by: "similarity" (the paper: the most similar tips above min_sim) or "score" (the released
+        code: every tip above min_sim is a candidate and the top_k with the best episode return win).
     M, ef_construction, ef_search, seed: hnswlib parameters; ef_search is the query-time beam.
     """
 
     def __init__(self, dim: int, namespace: str = "variation", capacity_per_namespace: int = 1000,
                  eviction: str = "oldest", min_sim: float = 0.5, top_k: int = 10,
-                 utility_weight: float = 0.0, M: int = 16, ef_construction: int = 200,
-                 ef_search: int = 64, seed: int = 0) -> None:
+                 utility_weight: float = 0.0, rank_by: str = "similarity", M: int = 16,
+                 ef_construction: int = 200, ef_search: int = 64, seed: int = 0) -> None:
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if namespace not in NAMESPACE_MODES:
             raise ValueError(f"namespace must be one of {NAMESPACE_MODES}, got {namespace!r}")
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        if rank_by not in RANKINGS:
+            raise ValueError(f"rank_by must be one of {RANKINGS}, got {rank_by!r}")
         if capacity_per_namespace < 1 or top_k < 1 or M < 2 or ef_construction < 1 or ef_search < 1:
             raise ValueError("capacity_per_namespace, top_k, ef_construction, ef_search must be >= 1 and M >= 2")
         if not -1.0 <= min_sim <= 1.0:
@@ -76,6 +81,7 @@ class TipMemory:
         self.min_sim = float(min_sim)
         self.top_k = int(top_k)
         self.utility_weight = float(utility_weight)
+        self.rank_by = rank_by
         self.M = int(M)
         self.ef_construction = int(ef_construction)
         self.ef_search = int(ef_search)
@@ -236,7 +242,8 @@ class TipMemory:
         query_vectors: (n, dim). namespace_keys: one key per query (or one key for all), from
         `namespace_key(task, variation)`; an unknown namespace gives no tips. Tips below `min_sim`
         are dropped; at most `k` remain. With `utility_weight` the order is by
-        `sim + utility_weight * utility`, ties by id.
+        `sim + utility_weight * utility`, ties by id. With `rank_by="score"` every tip of the
+        namespace above `min_sim` competes and the order is by episode return (then similarity, id).
         """
         q = self._check_vectors(query_vectors, "query_vectors")
         keys = [namespace_keys] * len(q) if isinstance(namespace_keys, str) else list(namespace_keys)
@@ -245,6 +252,7 @@ class TipMemory:
         k = self.top_k if k is None else int(k)
         min_sim = self.min_sim if min_sim is None else float(min_sim)
         fetch = k if self.utility_weight == 0 else _RERANK_FACTOR * k
+        by_score = self.rank_by == "score"
         rows_by_key: dict[str, list[int]] = {}
         for row, key in enumerate(keys):
             rows_by_key.setdefault(key, []).append(row)
@@ -253,10 +261,14 @@ class TipMemory:
             index = self._indexes.get(key)
             if index is None or k < 1:
                 continue
-            labels, sims = index.query(q[rows], fetch)
+            # ranking by score needs every tip above the threshold, not only the k most similar
+            labels, sims = index.query(q[rows], self.size(key) if by_score else fetch)
             for row, row_labels, row_sims in zip(rows, labels, sims):
                 hits = [(self._records[int(i)], float(s)) for i, s in zip(row_labels, row_sims) if s >= min_sim]
-                hits.sort(key=lambda h: (-(h[1] + self.utility_weight * h[0].utility), h[0].id))
+                if by_score:
+                    hits.sort(key=lambda h: (-h[0].episode_return, -h[1], h[0].id))
+                else:
+                    hits.sort(key=lambda h: (-(h[1] + self.utility_weight * h[0].utility), h[0].id))
                 results[row] = hits[:k]
         return results
 

@@ -71,6 +71,9 @@ class CollectorSettings:
     max_tip_words: int = 100
     tip_max_new_tokens: int = 160
     per_step_entries: bool = False
+    step_entry_key: str = "step"  # per-step entries keyed by their own step's state, or "final": the episode's last
+    key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
+    tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     write_tips: bool = True
 
 
@@ -114,6 +117,7 @@ class RolloutCollector:
         envs = self.envs[:n_traj]
         obs: list[str] = []
         histories: list[list[tuple[str, str]]] = [[] for _ in trajs]
+        turn_tips: list[list[list[str] | None]] = [[] for _ in trajs]  # the tips each past turn's prompt carried
         t0 = time.perf_counter()
         for env, traj in zip(envs, trajs):
             o, _ = env.reset(task=traj.task, variation=traj.variation)
@@ -131,7 +135,7 @@ class RolloutCollector:
             mem_live = [i for i in live if memory_mode[i, t]]
             if mem_live:
                 t0 = time.perf_counter()
-                queries = self.embedder.encode([self._state_text(envs[i], obs[i]) for i in mem_live])
+                queries = self.embedder.encode([self._key_text(envs[i], histories[i], obs[i]) for i in mem_live])
                 keys = [self.memory.namespace_key(trajs[i].task, trajs[i].variation) for i in mem_live]
                 hits = self.memory.search(queries, keys, k=s.top_k, min_sim=s.min_sim)
                 for i, found in zip(mem_live, hits):
@@ -139,8 +143,9 @@ class RolloutCollector:
                 timing["memory"] += time.perf_counter() - t0
 
             # -- one batched generate over every live environment
-            prompts = [self.builder.build(envs[i].task_description, histories[i], obs[i],
-                                          [text for _, text in tips.get(i, [])] or None) for i in live]
+            step_tips = {i: [text for _, text in tips.get(i, [])] or None for i in live}
+            prompts = [self.builder.build(envs[i].task_description, histories[i], obs[i], step_tips[i],
+                                          turn_tips[i] if s.tips_in_history else None) for i in live]
             t0 = time.perf_counter()
             gens = self.engine.generate([pr.ids for pr in prompts], params, seed=self._seed(generator))
             timing["generate"] += time.perf_counter() - t0
@@ -151,11 +156,11 @@ class RolloutCollector:
             for i, prompt, gen in zip(live, prompts, gens):
                 traj = trajs[i]
                 tokens_generated += len(gen.token_ids)
-                offpolicy = bool(offpolicy_mode[i, t]) and prompt.tip_span is not None
+                offpolicy = bool(offpolicy_mode[i, t]) and prompt.has_tips
                 traj.samples.append(StepSample(
                     behaviour_ids=prompt.ids,
                     train_ids=prompt.without_tips() if offpolicy else prompt.ids,
-                    response_ids=gen.token_ids, memory=prompt.tip_span is not None, offpolicy=offpolicy,
+                    response_ids=gen.token_ids, memory=prompt.has_tips, offpolicy=offpolicy,
                     group_id=traj.group_id, traj_id=traj.traj_id, step=t))
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
                 res = envs[i].step(gen.text)
@@ -165,6 +170,7 @@ class RolloutCollector:
                 if res.info.get("env_error"):
                     traj.env_error = str(res.info["env_error"])
                 histories[i].append((obs[i], res.info.get("parsed_action") or gen.text))
+                turn_tips[i].append(step_tips[i])
                 obs[i] = res.obs
                 if not res.done:
                     still_live.append(i)
@@ -176,7 +182,7 @@ class RolloutCollector:
 
         new_tips, tips_added = None, 0
         if not evaluate and s.write_tips and has_memory:
-            new_tips = self._write_tips(trajs, envs, histories, obs, iteration, generator, timing)
+            new_tips = self._write_tips(trajs, envs, histories, turn_tips, obs, iteration, generator, timing)
             t0 = time.perf_counter()
             if self.add_tips and new_tips[0]:
                 tips_added = len(self.memory.add(*new_tips))
@@ -192,22 +198,28 @@ class RolloutCollector:
         return RolloutBatch(samples=samples, trajectories=trajs, stats=stats, new_tips=new_tips)
 
     # ------------------------------------------------------------------------------------------ pieces
-    @staticmethod
-    def _state_text(env: TextEnv, observation: str) -> str:
-        """What retrieval compares: the task and the current observation (the released code keys
-        memories by the step's text)."""
+    def _key_text(self, env: TextEnv, history: list[tuple[str, str]], observation: str) -> str:
+        """What retrieval compares (`key_text`): the task and the current observation, or the whole chat so
+        far (the released code embeds the step's chat-history text)."""
+        if self.settings.key_text == "history":
+            turns = "".join(f"{o}\n> {a}\n" for o, a in history)
+            return f"{env.task_description}\n{turns}{observation}"
         return f"{env.task_description}\n{observation}"
 
     @staticmethod
     def _seed(generator: torch.Generator) -> int:
         return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
-    def _write_tips(self, trajs, envs, histories, obs, iteration: int, generator: torch.Generator, timing: dict):
-        """The policy writes one tip per finished episode, in one batched call; tips are sanitised (a
-        tip can never open a chat turn) and keyed by the embedding of the episode's final state (of
-        each step's state for per-step entries). Returns the memory entries (texts, keys, metas)."""
+    def _write_tips(self, trajs, envs, histories, turn_tips, obs, iteration: int, generator: torch.Generator,
+                    timing: dict):
+        """The policy writes one tip per finished episode, in one batched call, from the whole episode chat
+        (with the tips its turns carried under `tips_in_history`); tips are sanitised (a tip can never open
+        a chat turn) and keyed by the embedding of the episode's final state (per-step entries: of their own
+        step's state, or all of the final one with `step_entry_key="final"`). Returns the memory entries
+        (texts, keys, metas)."""
         s = self.settings
-        requests = [self.builder.build_tip_request(envs[i].task_description, histories[i], obs[i], s.max_tip_words)
+        requests = [self.builder.build_tip_request(envs[i].task_description, histories[i], obs[i], s.max_tip_words,
+                                                   turn_tips[i] if s.tips_in_history else None)
                     for i in range(len(trajs))]
         params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=s.tip_max_new_tokens,
                                 stop_at_newline=False)
@@ -225,11 +237,14 @@ class RolloutCollector:
                     "iteration": iteration, "source_rank": self.rank}
             actions = [a for _, a in histories[i]]
             entry_texts, entry_metas = episode_entries(tip, meta, s.per_step_entries, actions, traj.score)
-            # per-step entries are keyed by their step's state, an episode entry by the final state
-            states = [histories[i][m["step"]][0] for m in entry_metas] if s.per_step_entries else [obs[i]]
+            final_key = self._key_text(envs[i], histories[i], obs[i])
+            if s.per_step_entries and s.step_entry_key == "step":  # the state each step acted in
+                keys += [self._key_text(envs[i], histories[i][:m["step"]], histories[i][m["step"]][0])
+                         for m in entry_metas]
+            else:
+                keys += [final_key] * len(entry_texts)
             texts += entry_texts
             metas += entry_metas
-            keys += [self._state_text(envs[i], st) for st in states]
         vectors = self.embedder.encode(keys) if keys else np.zeros((0, self.memory.dim), dtype=np.float32)
         timing["memory"] += time.perf_counter() - t0
         return texts, vectors, metas

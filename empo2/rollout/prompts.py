@@ -4,8 +4,8 @@ Layout (one chat, rendered by the tokenizer's own template):
 
     system     the system prompt
     user       the task description
-    user       observation_0          ┐ one pair per kept past turn, oldest first; history turns
-    assistant  action_0               ┘ never carry tips
+    user       observation_0 [+ tips] ┐ one pair per kept past turn, oldest first; a history turn
+    assistant  action_0               ┘ keeps its tip block only with `history_tips` (released code)
     ...
     user       current observation [+ "\\n\\n" + tip block]
     <generation prompt>
@@ -14,15 +14,15 @@ Untrusted text (task, observations, actions, tips) must never become a special t
 template is rendered once per message layout with placeholder slots instead of contents. The
 rendered string is cut at the slots: template pieces are tokenized normally (their special tokens
 are real), contents with `split_special_tokens=True` (an "<|im_start|>" inside an observation is
-plain text). The ids are the concatenation of both. Since the tip block is a content piece of its
-own, its span is known exactly and removing it gives, token for token, the tip-free prompt.
+plain text). The ids are the concatenation of both. Since each tip block is a content piece of its
+own, its span is known exactly and removing them gives, token for token, the tip-free prompt.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from empo2.memory.tips import format_tip_block, tip_request_message
 
@@ -42,18 +42,23 @@ class Prompt:
     """Token ids of one behaviour prompt.
 
     ids: the prompt, ending with the template's generation prompt (assistant header).
-    tip_span: [start, end) of the tip-block tokens inside `ids` (None when the prompt has no tips).
+    tip_spans: [start, end) of each tip block's tokens inside `ids`, in order (empty without tips).
     """
 
     ids: list[int]
-    tip_span: tuple[int, int] | None = None
+    tip_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def has_tips(self) -> bool:
+        return bool(self.tip_spans)
 
     def without_tips(self) -> list[int]:
-        """The same prompt with the tip block cut out: exactly what `build(..., tips=None)` returns."""
-        if self.tip_span is None:
-            return list(self.ids)
-        start, end = self.tip_span
-        return self.ids[:start] + self.ids[end:]
+        """The same prompt with every tip block cut out: exactly what `build` returns without tips."""
+        out, pos = [], 0
+        for start, end in self.tip_spans:
+            out += self.ids[pos:start]
+            pos = end
+        return out + self.ids[pos:]
 
 
 class ChatTemplateError(ValueError):
@@ -97,28 +102,41 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------------------------------ public
     def build(self, task_description: str, history: list[tuple[str, str]], observation: str,
-              tips: list[str] | None = None) -> Prompt:
-        """The prompt for the next action. history: past (observation, action) turns, oldest first."""
-        tip_text = _TIP_SEPARATOR + format_tip_block(tips) if tips else None
-        return self._assemble(task_description, history, [observation], tip_text)
+              tips: list[str] | None = None, history_tips: list[list[str] | None] | None = None) -> Prompt:
+        """The prompt for the next action. history: past (observation, action) turns, oldest first;
+        history_tips: the tips each past turn's prompt carried (one entry per turn, None for none), kept
+        in those turns."""
+        return self._assemble(task_description, history, [observation], tips, history_tips, all_turns=False)
 
     def build_tip_request(self, task_description: str, history: list[tuple[str, str]],
-                          final_observation: str, max_words: int = 100) -> list[int]:
-        """The whole episode chat plus one more user turn asking the policy for its tip (tip-free)."""
+                          final_observation: str, max_words: int = 100,
+                          history_tips: list[list[str] | None] | None = None) -> list[int]:
+        """The whole episode chat (every turn, whatever `history_turns` says, within the token budget) plus
+        one more user turn asking the policy for its tip; tip-free unless `history_tips` is given."""
         request = tip_request_message(max_words)["content"]
-        return self._assemble(task_description, history, [final_observation, request], None).ids
+        return self._assemble(task_description, history, [final_observation, request], None, history_tips,
+                              all_turns=True).ids
 
     # -------------------------------------------------------------------------------------- assembling
+    def _tip_piece(self, tips: list[str] | None) -> list[_Piece]:
+        return [("tip", self._encode(_TIP_SEPARATOR + format_tip_block(tips), False))] if tips else []
+
     def _assemble(self, task: str, history: list[tuple[str, str]], tail_users: list[str],
-                  tip_text: str | None) -> Prompt:
+                  tips: list[str] | None, history_tips: list[list[str] | None] | None, all_turns: bool) -> Prompt:
         enc = self._encode
-        if self.history_turns is not None:
-            history = history[-self.history_turns:] if self.history_turns else []
+        if history_tips is None:
+            history_tips = [None] * len(history)
+        if len(history_tips) != len(history):
+            raise ValueError(f"history_tips needs one entry per history turn: {len(history_tips)} for {len(history)}")
+        if self.history_turns is not None and not all_turns:
+            keep = self.history_turns
+            history, history_tips = (history[-keep:], history_tips[-keep:]) if keep else ([], [])
         head: list[_Message] = [("system", [("text", enc(self.system_prompt))])] if self.system_prompt else []
         turns: list[_Message] = []
-        for obs, action in history:
-            turns += [("user", [("text", enc(obs))]), ("assistant", [("text", enc(action))])]
-        tip: list[_Piece] = [("tip", enc(tip_text, False))] if tip_text else []
+        for (obs, action), turn_tips in zip(history, history_tips):
+            turns += [("user", [("text", enc(obs))] + self._tip_piece(turn_tips)),
+                      ("assistant", [("text", enc(action))])]
+        tip = self._tip_piece(tips)
         extra: list[_Message] = [("user", [("text", enc(t))]) for t in tail_users[1:]]
 
         def messages(first_turn: int, task_ids: tuple[int, ...], current_ids: tuple[int, ...]) -> list[_Message]:
@@ -170,16 +188,16 @@ class PromptBuilder:
                 + sum(len(ids) for _, pieces in msgs for kind, ids in pieces if kind != "tip"))
 
     def _join(self, msgs: list[_Message]) -> Prompt:
-        """Template and content ids interleaved, and the tip span."""
+        """Template and content ids interleaved, and the tip spans."""
         template = self._template_pieces(tuple((role, len(pieces)) for role, pieces in msgs))
         ids = list(template[0])
-        span = None
+        spans = []
         for (kind, piece), tmpl in zip((p for _, pieces in msgs for p in pieces), template[1:]):
             if kind == "tip":
-                span = (len(ids), len(ids) + len(piece))
+                spans.append((len(ids), len(ids) + len(piece)))
             ids += piece
             ids += tmpl
-        return Prompt(ids, span)
+        return Prompt(ids, spans)
 
     # --------------------------------------------------------------------------------------- templates
     def _template_pieces(self, layout: tuple[tuple[str, int], ...]) -> list[list[int]]:

@@ -190,3 +190,32 @@ def test_identical_rollouts_get_identical_returns_and_zero_advantages(policy, em
         assert len({tr.ret for tr in batch.trajectories}) == 1
         assert all(s.advantage == 0.0 for s in batch.samples)
         assert sum(batch.trajectories[0].intrinsic) > 0
+
+
+def test_released_code_memory_options_tips_in_history_final_keys_and_history_text(policy, embedder):
+    """empo2_official: past turns keep their tips (all cut for off-policy samples), per-step entries share the
+    episode's final key, and keys are the chat-history text."""
+    _, tok = policy
+    c = make_collector(policy, embedder, p=1.0, q=1.0, min_sim=-1.0, tips_in_history=True, per_step_entries=True,
+                       step_entry_key="final", key_text="history")
+    fill_memory(c)
+    c.add_tips = False  # keep the entries for inspection
+    batch = collect(c)
+    later = [s for s in batch.samples if s.step >= 1]
+    assert later, "every episode ended after one step; pick another seed"
+    for s in later:
+        assert tok.decode(s.behaviour_ids).count(TIP_HEADER) == s.step + 1  # one block per turn so far
+        assert TIP_HEADER not in tok.decode(s.train_ids)
+    texts, vectors, metas = batch.new_tips
+    assert texts
+    by_episode = {}
+    for text, vec, meta in zip(texts, vectors, metas):  # one key per episode, whatever the step
+        by_episode.setdefault((meta["task"], meta["variation"], meta["episode_return"], meta["iteration"],
+                               text.split(";")[0]), []).append(vec)
+    assert all(np.allclose(v, vs[0]) for vs in by_episode.values() for v in vs)
+    c_state = make_collector(policy, embedder)
+    env = c_state.envs[0]
+    env.reset(task=TASKS[0].task, variation=TASKS[0].variation)
+    c_state.settings.key_text = "history"
+    text = c_state._key_text(env, [("obs one", "go north")], "obs two")
+    assert text == f"{env.task_description}\nobs one\n> go north\nobs two"

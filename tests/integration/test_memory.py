@@ -249,6 +249,27 @@ def test_utility_weight_reorders_results():
         assert memory.search(vecs, "t/0")[0][0][0].text == first
 
 
+def test_rank_by_score_keeps_tips_above_the_threshold_and_takes_the_best_episodes():
+    """Released code: every tip with cosine above min_sim is a candidate; the top k by episode score win, even
+    over more similar ones. The paper's ranking takes the most similar."""
+    rng = np.random.default_rng(0)
+    query = unit(rng, 1)
+    near = [query[0] + 0.05 * v for v in unit(rng, 4)]  # cos ~ 0.99, returns 1..4
+    far = unit(rng, 1)[0]  # below min_sim: never retrieved, whatever its score
+    vecs = np.stack(near + [far])
+    metas = [{"task": "t", "variation": 0, "episode_return": r} for r in (1.0, 2.0, 3.0, 4.0, 100.0)]
+    texts = ["r1", "r2", "r3", "r4", "far"]
+    by_score = TipMemory(dim=16, rank_by="score", top_k=2)
+    by_score.add(texts, vecs, metas)
+    assert [r.text for r, _ in by_score.search(query, "t/0")[0]] == ["r4", "r3"]
+    by_sim = TipMemory(dim=16, top_k=2)
+    by_sim.add(texts, vecs, metas)
+    sims = vecs[:4] @ query[0] / np.linalg.norm(vecs[:4], axis=1)
+    assert [r.text for r, _ in by_sim.search(query, "t/0")[0]] == [texts[i] for i in np.argsort(-sims)[:2]]
+    with pytest.raises(ValueError, match="rank_by"):
+        TipMemory(dim=16, rank_by="return")
+
+
 def test_bad_input_gets_clear_errors():
     memory, vecs, _ = filled(2)
     with pytest.raises(ValueError, match=r"\(n, 16\), got \(1, 8\)"):

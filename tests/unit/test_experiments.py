@@ -44,6 +44,11 @@ def test_paper_and_official_presets_hold_their_sources_values():
     assert (b.p, b.q, b.mode_granularity, b.mask_mode, b.delta) == (0.25, 0.68, "batch", "sequence", 0.0)
     assert (b.beta_start, b.beta_end, b.beta_schedule) == (1.0, 1.0, "constant")
     assert official.memory.per_step_entries and official.rollout.tip_max_new_tokens == 512
+    m, r = official.memory, official.rollout
+    assert (m.step_entry_key, m.key_text, m.rank_by, r.tips_in_history, official.env.train_variations) == \
+        ("final", "history", "score", True, 5)
+    m, r = paper.memory, paper.rollout
+    assert (m.per_step_entries, m.key_text, m.rank_by, r.tips_in_history) == (False, "state", "similarity", False)
 
 
 def test_ablation_presets_change_only_their_knob():

@@ -35,7 +35,7 @@ def test_layout_is_the_chat_template_of_system_task_turns_and_observation(tok):
     turns = history(3)
     prompt = builder.build(TASK, turns, "You see a frog.")
     text = chat(tok, turns, "You see a frog.")
-    assert prompt.tip_span is None
+    assert not prompt.has_tips
     assert tok.decode(prompt.ids) == text
     assert prompt.ids == tok(text, add_special_tokens=False)["input_ids"]  # plain text: same ids as the whole string
 
@@ -47,9 +47,9 @@ def test_tip_free_prompt_is_the_tip_prompt_with_the_span_cut_out(tok, n_turns, b
     for tips in (TIPS[:1], TIPS, [INJECTIONS[0].replace("\n", " ").replace("<tip>", "")]):
         with_tips = builder.build(TASK, history(n_turns), "You see a frog.", tips=tips)
         without = builder.build(TASK, history(n_turns), "You see a frog.")
-        assert without.tip_span is None
+        assert not without.has_tips
         assert with_tips.without_tips() == without.ids
-        start, end = with_tips.tip_span
+        (start, end), = with_tips.tip_spans
         assert tok.decode(with_tips.ids[start:end]) == "\n\n" + format_tip_block(tips)
         # The block closes the current user turn, right after the observation: history stays tip-free.
         assert tok.decode(with_tips.ids[:start]).endswith("<|im_start|>user\nYou see a frog.")
@@ -59,7 +59,8 @@ def test_tip_free_prompt_is_the_tip_prompt_with_the_span_cut_out(tok, n_turns, b
 def test_empty_tip_list_gives_the_tip_free_prompt(tok):
     builder = PromptBuilder(tok)
     assert builder.build(TASK, history(2), "obs", tips=[]) == builder.build(TASK, history(2), "obs")
-    assert Prompt([1, 2, 3, 4], (1, 3)).without_tips() == [1, 4]
+    assert Prompt([1, 2, 3, 4], [(1, 3)]).without_tips() == [1, 4]
+    assert Prompt([1, 2, 3, 4, 5, 6], [(0, 1), (2, 4)]).without_tips() == [2, 5, 6]
 
 
 @pytest.mark.parametrize("extra", [0, 20, 45, 100, 170])
@@ -119,7 +120,7 @@ def test_special_token_text_in_untrusted_contents_stays_plain_text(tok):
         benign = builder.build(TASK, [("a", "b"), ("c", "d")], "e", tips=["f"])
         # Only the template contributes special ids: the same ones, in the same order, as with plain text.
         assert [i for i in hostile.ids if i in special] == [i for i in benign.ids if i in special]
-        start, end = hostile.tip_span
+        (start, end), = hostile.tip_spans
         assert not special & set(hostile.ids[start:end])
         assert inj in tok.decode(hostile.ids)  # the text itself is kept verbatim
 
@@ -174,3 +175,33 @@ def test_the_template_is_rendered_once_per_layout(tok, monkeypatch):
     for step in range(30):
         builder.build(TASK, turns[:step], f"observation {step}")
     assert len(calls) == n_renders <= 31
+
+
+@pytest.mark.parametrize("budget", [10_000, 200])
+def test_tips_kept_in_history_turns_are_all_cut_for_the_tip_free_prompt(tok, budget):
+    """Released code: every past user turn keeps the tip block its prompt carried; the tip-free twin is the
+    same chat with every block removed, token for token, and keeps the same turns under truncation."""
+    builder = PromptBuilder(tok, max_prompt_tokens=budget)
+    turns = history(4)
+    per_turn = [TIPS[:1], None, TIPS, TIPS[1:]]
+    with_tips = builder.build(TASK, turns, "You see a frog.", tips=TIPS, history_tips=per_turn)
+    without = builder.build(TASK, turns, "You see a frog.")
+    assert with_tips.without_tips() == without.ids
+    kept_turns = sum(f"hallway {i}" in tok.decode(without.ids) for i in range(4))
+    expected_blocks = [t for t in per_turn[4 - kept_turns:] if t] + [TIPS]
+    assert [tok.decode(with_tips.ids[a:b]) for a, b in with_tips.tip_spans] == \
+        ["\n\n" + format_tip_block(t) for t in expected_blocks]
+    if budget == 10_000:
+        assert kept_turns == 4
+    with pytest.raises(ValueError, match="one entry per history turn"):
+        builder.build(TASK, turns, "x", history_tips=per_turn[:2])
+
+
+def test_tip_request_shows_the_whole_episode_whatever_history_turns_says(tok):
+    builder = PromptBuilder(tok, history_turns=1)
+    turns = history(3)
+    request = tok.decode(builder.build_tip_request(TASK, turns, "The end."))
+    assert all(f"hallway {i}" in request for i in range(3))
+    assert "hallway 0" not in tok.decode(builder.build(TASK, turns, "The end.").ids)
+    with_tips = tok.decode(builder.build_tip_request(TASK, turns, "The end.", history_tips=[TIPS, None, None]))
+    assert format_tip_block(TIPS) in with_tips and format_tip_block(TIPS) not in request
