@@ -132,7 +132,9 @@ class RolloutCollector:
                 break
             # -- retrieval: one batched embedding + search for the memory-mode rollouts at this step
             tips: dict[int, list[tuple[int, str]]] = {}
-            mem_live = [i for i in live if memory_mode[i, t]]
+            # (a rollout whose namespace holds no tip yet has nothing to find: no embedding is spent on it)
+            mem_live = [i for i in live if memory_mode[i, t]
+                        and self.memory.size(self.memory.namespace_key(trajs[i].task, trajs[i].variation))]
             if mem_live:
                 t0 = time.perf_counter()
                 queries = self.embedder.encode([self._key_text(envs[i], histories[i], obs[i]) for i in mem_live])

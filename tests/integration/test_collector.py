@@ -219,3 +219,23 @@ def test_released_code_memory_options_tips_in_history_final_keys_and_history_tex
     c_state.settings.key_text = "history"
     text = c_state._key_text(env, [("obs one", "go north")], "obs two")
     assert text == f"{env.task_description}\nobs one\n> go north\nobs two"
+
+
+def test_no_query_is_embedded_for_a_namespace_without_tips(policy, embedder):
+    """Retrieval from an empty namespace finds nothing, so memory-mode steps there cost no embedding."""
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.dim, self.texts = inner, inner.dim, 0
+
+        def encode(self, texts):
+            self.texts += len(texts)
+            return self.inner.encode(texts)
+
+    c = make_collector(policy, embedder, p=1.0, q=0.0, min_sim=-1.0, write_tips=False)
+    c.embedder = Counting(embedder)
+    batch = collect(c)
+    assert c.embedder.texts == 0 and not any(s.memory for s in batch.samples)
+    fill_memory(c)
+    c.embedder.texts = 0
+    batch = collect(c)
+    assert c.embedder.texts == len(batch.samples) and all(s.memory for s in batch.samples)
