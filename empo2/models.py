@@ -47,6 +47,8 @@ PRESETS = {
     "tiny": Preset("tiny", "random 2-layer Qwen2-style model + local BPE tokenizer (tests)"),
     "minisci-bc": Preset("minisci-bc", "0.7M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU "
                                        "experiments; built locally on first use)"),
+    "minisci-tips": Preset("minisci-tips", "0.7M-parameter MiniSci policy trained on dev variations to act, act on "
+                                           "tips and write hindsight tips (CPU EMPO² experiments; built on first use)"),
     "hf": Preset("hf", "any local transformers checkpoint given as model.path"),
     "qwen2.5-0.5b-instruct": Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-1.5b-instruct": Preset("qwen2.5-1.5b-instruct", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
@@ -233,6 +235,10 @@ def load_policy(cfg: ModelConfig):
         from empo2.prior import ensure_minisci_bc
 
         model, tok = _load_local(ensure_minisci_bc(), dtype)
+    elif cfg.name == "minisci-tips":
+        from empo2.prior_tips import ensure_minisci_tips
+
+        model, tok = _load_local(ensure_minisci_tips(), dtype)
     else:
         model, tok = _load_local(resolve_path(cfg), dtype)
     if tok.pad_token is None:
@@ -252,11 +258,13 @@ def preset_status() -> list[tuple[str, str, str]]:
     for name, preset in PRESETS.items():
         if name == "tiny":
             status = "available (built locally)"
-        elif name == "minisci-bc":
+        elif name in ("minisci-bc", "minisci-tips"):
             from empo2.prior import cache_dir
+            from empo2.prior_tips import TipPriorSettings
 
-            cached = (cache_dir() / "empo2_source.json").is_file()
-            status = "available (cached)" if cached else "available (built on first use, about 8 min on 2 cores)"
+            settings = TipPriorSettings() if name == "minisci-tips" else None
+            cached = (cache_dir(settings, name) / "empo2_source.json").is_file()
+            status = "available (cached)" if cached else "available (built on first use, about 8-15 min on 2 cores)"
         elif name == "smollm2-135m-instruct":
             try:
                 smollm2_gguf_path()

@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
-# Kept in step with PromptBuilder's defaults in conf/rollout/default.yaml, so the clones see RL's prompts.
+# Kept in step with PromptBuilder's settings in conf/rollout/default.yaml (max_prompt_tokens, history_turns,
+# max_tip_request_tokens), so the priors are trained on the prompts RL gives them.
 HISTORY_TURNS = 2
 MAX_PROMPT_TOKENS = 512
+MAX_REQUEST_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -56,29 +58,36 @@ def _houses(rng: random.Random, n: int) -> list[dict]:
              "num_distractors": rng.choice((0, 1, 2))} for _ in range(n)]
 
 
-def gold_episodes(settings: BCSettings) -> list[tuple[str, list[tuple[str, str]]]]:
-    """(task description, [(observation, gold action), ...]) for every dev variation and house draw."""
-    from empo2.envs import make_env
+def dev_instances(rng: random.Random, houses_per_variation: int):
+    """(family, dev variation, house kwargs) of every in-distribution family, `houses_per_variation` house
+    draws from `rng` each: the only instances a prior is trained on (never train or test variations)."""
     from empo2.envs.minisci import FAMILIES, OOD_FAMILIES, catalogue
 
-    rng = random.Random(settings.seed)
     cat = catalogue()
-    episodes = []
     for family in FAMILIES:
         if family in OOD_FAMILIES:
             continue
         for variation in cat.split(family, "dev"):
-            for house in _houses(rng, settings.houses_per_variation):
-                env = make_env("minisci", max_steps=100, **house)
-                obs, info = env.reset(task=family, variation=variation)
-                turns, won = [], False
-                for action in env.gold_actions():
-                    turns.append((obs, action))
-                    result = env.step(action)
-                    obs, won = result.obs, result.info["won"]
-                if not won:  # a planner bug would teach the clone a losing path
-                    raise RuntimeError(f"the gold path of {family}/{variation} in house {house} does not win")
-                episodes.append((info["task_description"], turns))
+            for house in _houses(rng, houses_per_variation):
+                yield family, variation, house
+
+
+def gold_episodes(settings: BCSettings) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(task description, [(observation, gold action), ...]) for every dev variation and house draw."""
+    from empo2.envs import make_env
+
+    episodes = []
+    for family, variation, house in dev_instances(random.Random(settings.seed), settings.houses_per_variation):
+        env = make_env("minisci", max_steps=100, **house)
+        obs, info = env.reset(task=family, variation=variation)
+        turns, won = [], False
+        for action in env.gold_actions():
+            turns.append((obs, action))
+            result = env.step(action)
+            obs, won = result.obs, result.info["won"]
+        if not won:  # a planner bug would teach the clone a losing path
+            raise RuntimeError(f"the gold path of {family}/{variation} in house {house} does not win")
+        episodes.append((info["task_description"], turns))
     return episodes
 
 
@@ -107,7 +116,7 @@ def _batch(examples, pad_id: int):
     return ids, mask, labels
 
 
-def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print) -> dict:
+def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc") -> dict:
     """Cross-entropy on the action tokens, AdamW with a cosine schedule; returns training stats."""
     rng = random.Random(settings.seed)
     steps = max(1, math.ceil(settings.epochs * len(examples) / settings.batch_size))
@@ -129,7 +138,7 @@ def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=prin
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
-            log(f"minisci-bc: step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
+            log(f"{name}: step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
                 f"({time.perf_counter() - t0:.0f} s)")
     model.eval()
     return {"steps": steps, "examples": len(examples), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
@@ -158,23 +167,28 @@ def build_minisci_bc(settings: BCSettings, log=print):
     return model, tok, stats
 
 
-def cache_dir(settings: BCSettings | None = None) -> Path:
+def cache_dir(settings: BCSettings | None = None, name: str = "minisci-bc") -> Path:
     from empo2.models import cache_root
 
-    return cache_root() / "models" / f"minisci-bc-{(settings or BCSettings()).key()}"
+    return cache_root() / "models" / f"{name}-{(settings or BCSettings()).key()}"
 
 
-def ensure_minisci_bc(settings: BCSettings | None = None, log=print) -> Path:
-    """Path of the cached clone, building it on first use (temp dir + rename: never half-written)."""
+def ensure_cached(name: str, settings: BCSettings, build, log=print) -> Path:
+    """Path of the cached prior `name`, building it with `build(settings, log)` on first use (temp dir +
+    rename: never half-written)."""
     from empo2.models import save_cached_checkpoint
 
-    settings = settings or BCSettings()
-    target = cache_dir(settings)
+    target = cache_dir(settings, name)
     if (target / "empo2_source.json").is_file():  # written last, inside the temp dir
         return target
     if target.exists():
         shutil.rmtree(target)
-    log(f"minisci-bc: building the policy once (cached at {target})")
-    model, tok, stats = build_minisci_bc(settings, log)
+    log(f"{name}: building the policy once (cached at {target})")
+    model, tok, stats = build(settings, log)
     save_cached_checkpoint(model, tok, {"settings": asdict(settings), "stats": stats}, target)
     return target
+
+
+def ensure_minisci_bc(settings: BCSettings | None = None, log=print) -> Path:
+    """Path of the cached clone, building it on first use."""
+    return ensure_cached("minisci-bc", settings or BCSettings(), build_minisci_bc, log)

@@ -50,7 +50,8 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
 
     engine = build_engine(cfg.engine, model, tokenizer, model_path=cfg.model.path)
     builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                            history_turns=cfg.rollout.history_turns)
+                            history_turns=cfg.rollout.history_turns,
+                            max_request_tokens=cfg.rollout.max_tip_request_tokens)
     envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
     memory = embedder = None
     if cfg.memory.enabled:

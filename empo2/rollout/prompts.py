@@ -80,18 +80,22 @@ class PromptBuilder:
     If even the prompt without past turns is too long, the current observation is cut (its end is
     kept), then the task text (its start is kept).
     history_turns: keep at most this many past turns (None: as many as fit).
+    max_request_tokens: the budget of the tip request, which shows the whole episode (None: the same as
+        max_prompt_tokens).
     Contents are stripped of surrounding whitespace.
     """
 
     def __init__(self, tokenizer, system_prompt: str | None = None, max_prompt_tokens: int = 4500,
-                 history_turns: int | None = None):
-        if max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+                 history_turns: int | None = None, max_request_tokens: int | None = None):
+        if max_prompt_tokens < 1 or (max_request_tokens is not None and max_request_tokens < 1):
+            raise ValueError(f"max_prompt_tokens and max_request_tokens must be >= 1, got {max_prompt_tokens} "
+                             f"and {max_request_tokens}")
         if history_turns is not None and history_turns < 0:
             raise ValueError(f"history_turns must be >= 0 or None, got {history_turns}")
         self.tokenizer = tokenizer
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_request_tokens = max_request_tokens or max_prompt_tokens
         self.history_turns = history_turns
         # The collector passes the same observation strings at every later step of an episode, and a
         # str caches its own hash, so each text is tokenized once and looked up in O(1) afterwards.
@@ -145,16 +149,17 @@ class PromptBuilder:
             return self._merged(msgs) if self._merge else msgs
 
         task_ids, current_ids = enc(task), enc(tail_users[0])
+        budget = self.max_request_tokens if all_turns else self.max_prompt_tokens
         n = len(history)
         # Fewest dropped turns that fit; the length only shrinks as turns are dropped (binary search).
-        if self._free_length(messages(0, task_ids, current_ids)) <= self.max_prompt_tokens:
+        if self._free_length(messages(0, task_ids, current_ids)) <= budget:
             return self._join(messages(0, task_ids, current_ids))
-        over = self._free_length(messages(n, task_ids, current_ids)) - self.max_prompt_tokens
+        over = self._free_length(messages(n, task_ids, current_ids)) - budget
         if over <= 0:
             lo, hi = 1, n  # messages(hi) fits, messages(lo - 1) does not
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self._free_length(messages(mid, task_ids, current_ids)) <= self.max_prompt_tokens:
+                if self._free_length(messages(mid, task_ids, current_ids)) <= budget:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -164,9 +169,10 @@ class PromptBuilder:
         current_ids = current_ids[cut:]
         task_ids = task_ids[:len(task_ids) - min(over - cut, len(task_ids))]
         msgs = messages(n, task_ids, current_ids)
-        if self._free_length(msgs) > self.max_prompt_tokens:
-            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} cannot hold even the system prompt and "
-                             f"the chat template's own tokens")
+        if self._free_length(msgs) > budget:
+            name = "max_request_tokens" if all_turns else "max_prompt_tokens"
+            raise ValueError(f"{name}={budget} cannot hold even the system prompt and the chat template's own "
+                             f"tokens")
         return self._join(msgs)
 
     def _merged(self, msgs: list[_Message]) -> list[_Message]:

@@ -205,3 +205,12 @@ def test_tip_request_shows_the_whole_episode_whatever_history_turns_says(tok):
     assert "hallway 0" not in tok.decode(builder.build(TASK, turns, "The end.").ids)
     with_tips = tok.decode(builder.build_tip_request(TASK, turns, "The end.", history_tips=[TIPS, None, None]))
     assert format_tip_block(TIPS) in with_tips and format_tip_block(TIPS) not in request
+
+
+def test_the_tip_request_has_its_own_budget(tok):
+    turns = history(12)
+    short = PromptBuilder(tok, max_prompt_tokens=300)
+    roomy = PromptBuilder(tok, max_prompt_tokens=300, max_request_tokens=10_000)
+    assert "hallway 0" not in tok.decode(short.build_tip_request(TASK, turns, "The end."))
+    assert all(f"hallway {i}" in tok.decode(roomy.build_tip_request(TASK, turns, "The end.")) for i in range(12))
+    assert roomy.build(TASK, turns, "x").ids == short.build(TASK, turns, "x").ids  # action prompts unchanged
