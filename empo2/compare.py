@@ -173,7 +173,7 @@ def _study_outputs(study_run, storage: str | None, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import optuna
 
-    from empo2.sweep import open_storage
+    from empo2.sweep_storage import open_storage
 
     name = study_run.data.tags.get("optuna.study", study_run.info.run_name)
     url = storage or study_run.data.tags.get("optuna.storage")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, load_config, to_dict
 from empo2.experiments import check_keys, read_yaml, string_list
-from empo2.launch import WorkerPool, hydra_quote, last_line
+from empo2.launch import WorkerPool, hydra_quote, last_line, log_run_files
 
 GRID_KEYS = ("name", "mlflow_experiment", "presets", "seeds", "overrides")
 
@@ -156,6 +156,8 @@ def run_grid(path: str | Path, seeds: object = None, workers: int = 1, overrides
                 print(f"  {run.label}: started (log {log})")
             run, rc, log = pool.wait()
             ok = rc == 0 and (run.run_dir / "summary.json").is_file()
+            if ok:
+                log_run_files(json.loads((run.run_dir / "summary.json").read_text()))
             records[(run.preset, run.seed)].update(status="finished" if ok else "failed", log=str(log))
             print(f"  {run.label}: " + ("finished" if ok else f"failed (exit {rc}): {last_line(log)}"))
     return [records[(r.preset, r.seed)] for r in runs]

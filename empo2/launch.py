@@ -96,14 +96,18 @@ class WorkerPool:
                                     env=env, start_new_session=True)
         self.jobs.append(_Job(key, proc, slot, log))
 
-    def wait(self) -> tuple[object, int, Path]:
-        """Block until one run ends; returns its key, exit status and log."""
+    def wait(self, timeout: float | None = None) -> tuple[object, int, Path] | None:
+        """Block until one run ends; returns its key, exit status and log (None after `timeout` seconds
+        with every run still going)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for job in self.jobs:
                 rc = job.proc.poll()
                 if rc is not None:
                     self.jobs.remove(job)
                     return job.key, rc, job.log
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
             time.sleep(0.2)
 
     @staticmethod
@@ -127,3 +131,23 @@ def last_line(log: Path) -> str:
     except OSError:
         return ""
     return lines[-1][:200] if lines else ""
+
+
+def log_run_files(summary: dict) -> None:
+    """A finished run's learning curve and summary.json as artifacts of its MLflow run, so a shared
+    tracking server holds them and not only the node that ran it. Best effort: a tracking server that
+    is away is said once, and the files stay in the run folder."""
+    run_id, uri = summary.get("mlflow_run_id"), summary.get("mlflow_tracking_uri")
+    if not run_id or not uri:
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    for path in (summary.get("plot"), summary.get("summary_path")):
+        if path and Path(path).is_file():
+            try:
+                client.log_artifact(run_id, path)
+            except Exception as e:
+                print(f"could not store {Path(path).name} in MLflow run {run_id} ({type(e).__name__}); "
+                      f"it stays at {path}")
+                return

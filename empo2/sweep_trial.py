@@ -3,12 +3,14 @@
 Started by the `empo2 sweep` driver, never by hand. The process opens the study's storage (its URL
 arrives in an environment variable, so no password lands in a command line or log), trains with a
 callback that reports the objective after every validation and stops the run once the median pruner
-says so, then tells the study the outcome. Under DDP/FSDP, Lightning starts the other ranks by
-re-running this same command; only rank 0 reports and tells.
+says so, then tells the study the outcome. While it trains it records the trial's heartbeat (as its
+driver does), so the trial is taken for lost only when both are gone. Under DDP/FSDP, Lightning
+starts the other ranks by re-running this same command; only rank 0 reports and tells.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -16,7 +18,9 @@ import sys
 import lightning as L
 
 from empo2.config import ConfigError, load_config
-from empo2.sweep import STORAGE_ENV, make_pruner, open_storage
+from empo2.launch import log_run_files
+from empo2.sweep import STORAGE_ENV, make_pruner
+from empo2.sweep_storage import Heartbeat, open_storage
 
 
 class PruneOnValidation(L.Callback):
@@ -71,7 +75,12 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
     if attrs.get("mlflow_parent_run_id"):
         cfg.logger.tags["mlflow.parentRunId"] = attrs["mlflow_parent_run_id"]  # how MLflow nests a run
     pruning = PruneOnValidation(trial, attrs["metric"])
-    summary = train(cfg, callbacks=[pruning])
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        beating = Heartbeat(storage, trial_id, (attrs.get("heartbeat") or {}).get("interval", 60))
+    else:  # a DDP rank re-running this command: rank 0 beats for the trial
+        beating = contextlib.nullcontext()
+    with beating:
+        summary = train(cfg, callbacks=[pruning])
     if not pruning.is_global_zero:
         return 0
     value = summary["metrics"].get(attrs["metric"])
@@ -87,6 +96,7 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
         state = State.COMPLETE
         study.tell(number, float(value))
     if summary["mlflow_run_id"]:
+        log_run_files(summary)
         client = MlflowClient(summary["mlflow_tracking_uri"])
         client.log_batch(summary["mlflow_run_id"], params=[Param(k, str(v)) for k, v in trial.params.items()])
         client.set_tag(summary["mlflow_run_id"], "optuna.state", state.name)
