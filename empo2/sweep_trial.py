@@ -19,7 +19,8 @@ import lightning as L
 
 from empo2.config import ConfigError, load_config
 from empo2.launch import log_run_files
-from empo2.sweep import STORAGE_ENV, make_pruner
+from empo2.sweep import STORAGE_ENV
+from empo2.sweep_spec import make_pruner
 from empo2.sweep_storage import Heartbeat, open_storage
 
 
