@@ -115,14 +115,17 @@ def start_postgres(timeout: float = 60.0) -> Postgres:
     if init.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         raise RuntimeError(f"initdb failed: {init.stderr.strip() or init.stdout.strip()}")
-    log = open(root / "postgres.log", "wb")  # noqa: SIM115 - the server keeps writing to it
     # small settings: two servers and many workers share two cores; fsync off, it is thrown away
-    pg.proc = subprocess.Popen([str(bindir / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(pg.port),
-                                "-k", str(root), "-c", "fsync=off", "-c", "max_connections=100",
-                                "-c", "shared_buffers=16MB"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                               cwd=root, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
-    if as_root:
-        os.chown(log.name, kwargs["user"], kwargs["group"])
+    try:
+        with open(root / "postgres.log", "wb") as log:  # the server keeps its own descriptor
+            pg.proc = subprocess.Popen(
+                [str(bindir / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(pg.port), "-k", str(root),
+                 "-c", "fsync=off", "-c", "max_connections=100", "-c", "shared_buffers=16MB"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True,
+                preexec_fn=_die_with_parent, **kwargs)
+    except Exception:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pg.proc.poll() is not None:
