@@ -116,9 +116,27 @@ def _batch(examples, pad_id: int):
     return ids, mask, labels
 
 
-def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc") -> dict:
-    """Cross-entropy on the action tokens, AdamW with a cosine schedule; returns training stats."""
+def _epoch_order(rng: random.Random, lengths: list[int], batch_size: int, by_length: bool) -> list[int]:
+    """One shuffled pass over the examples; with `by_length`, consecutive batches hold examples of similar
+    length (sorted within windows of 16 batches, batch order shuffled), so few positions are padding."""
+    order = rng.sample(range(len(lengths)), len(lengths))
+    if not by_length:
+        return order
+    window = 16 * batch_size
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return [i for batch in batches for i in batch]
+
+
+def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc",
+                    by_length: bool = False) -> dict:
+    """Cross-entropy on the target tokens, AdamW with a cosine schedule; returns training stats. `by_length`
+    batches examples of similar length together (worth it when lengths spread widely)."""
     rng = random.Random(settings.seed)
+    lengths = [len(p) + len(a) for p, a in examples]
     steps = max(1, math.ceil(settings.epochs * len(examples) / settings.batch_size))
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -127,7 +145,7 @@ def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=prin
     order: list[int] = []
     for step in range(steps):
         if len(order) < settings.batch_size:
-            order += rng.sample(range(len(examples)), len(examples))
+            order += _epoch_order(rng, lengths, settings.batch_size, by_length)
         batch, order = [examples[i] for i in order[: settings.batch_size]], order[settings.batch_size:]
         ids, mask, labels = _batch(batch, pad_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss

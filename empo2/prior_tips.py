@@ -57,7 +57,7 @@ class TipPriorSettings(BCSettings):
     tips_per_prompt: tuple[int, int] = (1, 3)
     irrelevant_rate: float = 0.25  # share of tip blocks whose tips come from other instances
     wrong_rate: float = 0.15  # share of tip blocks whose tips move a key thing to a wrong room
-    epochs: float = 3.0
+    epochs: float = 2.0
     version: int = 1
 
 
@@ -225,7 +225,7 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         stats = behaviour_clone(model, [(p, a) for _, p, a in examples], settings, tok.pad_token_id, log,
-                                name="minisci-tips")
+                                name="minisci-tips", by_length=True)
     stats["episodes"] = len(episodes)
     stats["examples_by_kind"] = {k: sum(e[0] == k for e in examples) for k in (TIP_FREE, WITH_TIPS, TIP_REQUEST)}
     stats["parameters"] = sum(p.numel() for p in model.parameters())

@@ -85,3 +85,19 @@ def test_the_clone_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatch
     assert sum("building" in line for line in logs) == 1
     model, tok = _load_local(path, torch.float32)
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
+
+
+def test_length_bucketed_passes_visit_every_example_once_with_less_padding():
+    import random
+
+    from empo2.prior import _epoch_order
+
+    lengths = [random.Random(i).randint(10, 900) for i in range(500)]
+    plain = _epoch_order(random.Random(0), lengths, 32, by_length=False)
+    bucketed = _epoch_order(random.Random(0), lengths, 32, by_length=True)
+    assert sorted(plain) == sorted(bucketed) == list(range(500))
+
+    def padded(order):
+        return sum(max(lengths[i] for i in order[b:b + 32]) * len(order[b:b + 32]) for b in range(0, 500, 32))
+
+    assert padded(bucketed) < 0.7 * padded(plain)
