@@ -292,5 +292,10 @@ class RolloutCollector:
             "memory/size": float(len(self.memory)) if self.memory is not None else 0.0,
             "time/rollout_s": wall,
         }
+        # the mechanism is live only if rollouts that carried tips score above those that did not
+        for name, group in (("memory", [tr for tr in trajs if any(smp.memory for smp in tr.samples)]),
+                            ("tipfree", [tr for tr in trajs if not any(smp.memory for smp in tr.samples)])):
+            if group:
+                stats[f"rollout/score_{name}"] = sum(tr.score for tr in group) / len(group)
         stats.update({f"time/{k}_s": v for k, v in timing.items()})
         return stats

@@ -239,3 +239,5 @@ def test_no_query_is_embedded_for_a_namespace_without_tips(policy, embedder):
     c.embedder.texts = 0
     batch = collect(c)
     assert c.embedder.texts == len(batch.samples) and all(s.memory for s in batch.samples)
+    assert batch.stats["rollout/score_memory"] == batch.stats["rollout/score"]
+    assert "rollout/score_tipfree" not in batch.stats  # every rollout carried tips
