@@ -151,6 +151,10 @@ def run_sweep(path: str | Path, workers: int = 1, overrides: list[str] | tuple =
     root = Path(spec.cfg.run_root).expanduser().resolve()
     url = storage or spec.storage or f"sqlite:///{root / 'optuna.db'}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the driver prints its own lines
+    from empo2.train import check_tracking, tracking_uri
+
+    if not tracking_uri(spec.cfg).startswith("sqlite:"):  # a tracking server that is down: one line, now
+        check_tracking(spec.cfg)
     study, rdb, parent = _open_study(spec, url)
     State = optuna.trial.TrialState
     done_states = (State.COMPLETE, State.PRUNED, State.FAIL)
@@ -293,11 +297,16 @@ def _close_parent(spec: SweepSpec, run_id: str, result: dict) -> None:
     from empo2.train import tracking_uri
 
     client = MlflowClient(tracking_uri(spec.cfg))
-    for state, n in result["counts"].items():
-        client.set_tag(run_id, f"optuna.n_{state}", str(n))
-    if result["best"]:
-        client.set_tag(run_id, "optuna.best_trial", str(result["best"]["number"]))
-        client.log_metric(run_id, "best_value", result["best"]["value"], step=sum(result["counts"].values()))
-        for key, value in result["best"]["params"].items():
-            client.set_tag(run_id, f"best.{key}", str(value))
-    client.set_terminated(run_id)
+    try:
+        for state, n in result["counts"].items():
+            client.set_tag(run_id, f"optuna.n_{state}", str(n))
+        if result["best"]:
+            client.set_tag(run_id, "optuna.best_trial", str(result["best"]["number"]))
+            client.log_metric(run_id, "best_value", result["best"]["value"], step=sum(result["counts"].values()))
+            for key, value in result["best"]["params"].items():
+                client.set_tag(run_id, f"best.{key}", str(value))
+        client.set_terminated(run_id)
+    except Exception as e:  # the tracking server went away: the study and best.yaml are stored regardless
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        print(f"the study's MLflow parent run {run_id} was not updated ({reason}); the study and best.yaml "
+              "are stored, and the next `empo2 sweep` of this study updates it")

@@ -283,3 +283,15 @@ def test_a_changed_search_space_under_the_same_study_name_is_refused(team_sweep)
     study = optuna.load_study(study_name="team", storage=open_storage(team_sweep["url"]))
     assert [(t.number, t.state, t.params) for t in study.trials] == before
     assert study.user_attrs["space"]["algo.beta_start"]["high"] == 1.0
+
+
+def test_a_sweep_worker_whose_tracking_server_is_gone_stops_before_asking_for_a_trial(team_sweep):
+    study = optuna.load_study(study_name="team", storage=open_storage(team_sweep["url"]))
+    before = [(t.number, t.state) for t in study.trials]
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=rf"^logger\.tracking_uri='{gone}' cannot be reached") as e:
+        run_sweep(team_sweep["file"], n_trials=6, storage=team_sweep["url"],
+                  overrides=[f"run_root={team_sweep['runs']}", f"logger.tracking_uri={gone}"])
+    assert "\n" not in str(e.value)
+    study = optuna.load_study(study_name="team", storage=open_storage(team_sweep["url"]))
+    assert [(t.number, t.state) for t in study.trials] == before  # nothing asked, nothing lost
