@@ -238,8 +238,8 @@ def _run_trials(study, storage, spec: SweepSpec, root: Path, workers: int, n_tri
     try:
         with WorkerPool(workers) as pool:
             while True:
-                take_over_stale()
                 with storage_lock(url):  # counting and asking at once: drivers never overshoot n_trials
+                    take_over_stale()  # under the lock too: one driver fails (and reports) a lost trial
                     while pool.free and (timeout is None or time.monotonic() - t0 < timeout):
                         if _counted(study.get_trials(deepcopy=False)) >= n_trials:
                             break

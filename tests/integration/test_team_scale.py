@@ -87,7 +87,7 @@ def _trial_child(pid: int) -> int | None:
 @pytest.fixture(scope="module")
 def team_sweep(pg, tracking, tmp_path_factory):
     """Three `empo2 sweep` workers started at the same instant on a fresh PostgreSQL database (as on three
-    nodes); once the first has a trial running, it is SIGKILLed together with that trial."""
+    nodes); the first one seen running a trial is SIGKILLed together with that trial."""
     root = tmp_path_factory.mktemp("team")
     path = root / "team.yaml"
     path.write_text(json.dumps(SWEEP))
@@ -97,22 +97,27 @@ def team_sweep(pg, tracking, tmp_path_factory):
     t0 = time.monotonic()
     outs = [open(root / f"worker{i}.out", "w+") for i in range(3)]
     workers = [subprocess.Popen(cmd, stdout=o, stderr=subprocess.STDOUT, env=ENV) for o in outs]
-    killed = None
+    killed = victim = None
     deadline = time.monotonic() + 180
     while killed is None and time.monotonic() < deadline:
-        killed = _trial_child(workers[0].pid)
+        for victim in range(3):
+            killed = _trial_child(workers[victim].pid)
+            if killed is not None:
+                break
         time.sleep(0.2)
-    assert killed is not None, "worker 0 never started a trial"
+    assert killed is not None, "no worker started a trial"
     time.sleep(3)  # mid-trial: its process is up and beating
-    _kill_tree(workers[0].pid)
+    _kill_tree(workers[victim].pid)
     rcs = [w.wait(timeout=400) for w in workers]
     texts = []
     for o in outs:
         o.seek(0)
         texts.append(o.read())
         o.close()
-    return {"root": root, "runs": root / "runs", "file": path, "url": url, "killed": killed, "rcs": rcs,
-            "out": texts, "seconds": time.monotonic() - t0, "tracking": tracking}
+    order = [victim] + [i for i in range(3) if i != victim]  # the killed worker first, then the survivors
+    return {"root": root, "runs": root / "runs", "file": path, "url": url, "killed": killed,
+            "rcs": [rcs[i] for i in order], "out": [texts[i] for i in order], "seconds": time.monotonic() - t0,
+            "tracking": tracking}
 
 
 def test_postgres_runs_unprivileged_with_password_auth(pg):
