@@ -133,21 +133,38 @@ def last_line(log: Path) -> str:
     return lines[-1][:200] if lines else ""
 
 
+def _flat(config: dict, prefix: str = ""):
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def log_run_files(summary: dict) -> None:
-    """A finished run's learning curve and summary.json as artifacts of its MLflow run, so a shared
+    """Onto a finished run's MLflow run: its resolved config as params (`algo.p`, `trainer.lr`, ...; keys
+    already logged are left alone) and its learning curve and summary.json as artifacts, so a shared
     tracking server holds them and not only the node that ran it. Best effort: a tracking server that
-    is away is said once, and the files stay in the run folder."""
+    is away is said once, and everything stays in the run folder."""
+    import json
+
     run_id, uri = summary.get("mlflow_run_id"), summary.get("mlflow_tracking_uri")
     if not run_id or not uri:
         return
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    for path in (summary.get("plot"), summary.get("summary_path")):
-        if path and Path(path).is_file():
-            try:
+    try:
+        known = client.get_run(run_id).data.params
+        params = [Param(k, (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:500])
+                  for k, v in _flat(summary.get("config") or {}) if k not in known]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+            client.log_batch(run_id, params=params[i:i + 100])
+        for path in (summary.get("plot"), summary.get("summary_path")):
+            if path and Path(path).is_file():
                 client.log_artifact(run_id, path)
-            except Exception as e:
-                print(f"could not store {Path(path).name} in MLflow run {run_id} ({type(e).__name__}); "
-                      f"it stays at {path}")
-                return
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        print(f"could not store the config and files of MLflow run {run_id} ({reason}); they stay in "
+              f"{summary.get('run_dir')}")

@@ -97,10 +97,10 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
         state = State.COMPLETE
         study.tell(number, float(value))
     if summary["mlflow_run_id"]:
-        log_run_files(summary)
         client = MlflowClient(summary["mlflow_tracking_uri"])
         client.log_batch(summary["mlflow_run_id"], params=[Param(k, str(v)) for k, v in trial.params.items()])
         client.set_tag(summary["mlflow_run_id"], "optuna.state", state.name)
+        log_run_files(summary)  # after the trial's own params: the config's copies of them are skipped
     return 1 if state == State.FAIL else 0
 
 

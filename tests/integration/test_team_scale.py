@@ -172,6 +172,7 @@ def test_sweep_runs_land_on_the_tracking_server_nested_with_params_metrics_and_c
     for r in done:
         assert r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id and r.data.tags["optuna.state"] == "COMPLETE"
         assert "algo.beta_start" in r.data.params and "rollout/return" in r.data.metrics
+        assert r.data.params["trainer.iterations"] == "1"  # and the rest of the resolved config
         assert {"learning_curve.png", "summary.json"} <= {a.path for a in client.list_artifacts(r.info.run_id)}
 
     out = team_sweep["root"] / "cmp"
@@ -197,6 +198,9 @@ def test_grid_and_train_runs_land_on_the_tracking_server_and_compare_reads_them(
                               / "summary.json").read_text())
         assert summary["mlflow_run_id"] == r.info.run_id and summary["mlflow_tracking_uri"] == tracking.uri
         assert r.data.tags["preset"] == "grpo_minisci"
+        params = r.data.params  # the resolved config, flattened
+        assert params["trainer.iterations"] == "1" and params["seed"] == r.data.tags["seed"]
+        assert params["algo.p"] == str(summary["config"]["algo"]["p"]) and params["model.name"] == "tiny"
         assert r.data.metrics["rollout/return"] == pytest.approx(summary["metrics"]["rollout/return"])
         assert {"learning_curve.png", "summary.json"} <= {a.path for a in client.list_artifacts(r.info.run_id)}
     table = compare("team-grid", tracking.uri, tmp_path / "cmp", group_by="preset", metrics=["rollout/return"])
