@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
             _add_run_options(p, "sweep")
             p.add_argument("--n-trials", type=int, help="the study's total number of trials (default: the file's)")
             p.add_argument("--timeout", type=float, help="seconds after which no new trial starts")
-            p.add_argument("--storage", help="Optuna storage URL (default: the file's, else sqlite in the run root)")
+            p.add_argument("--storage", help="Optuna storage URL (default: the file's, else sqlite in the run root); "
+                                             "postgresql://USER@HOST/DB shares one study between workers on many "
+                                             "nodes, started in any order (README: Team scale)")
             p.set_defaults(func=_cmd_sweep)
         else:
             p.add_argument("--experiment", required=True, help="MLflow experiment name")
