@@ -65,9 +65,7 @@ def engine_kwargs(url: str) -> dict:
     backend = _backend(url)
     if backend == "sqlite":  # the driver and its trial processes all write to one file
         return {"connect_args": {"timeout": 120}}
-    if backend == "postgresql":
-        return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}, "pool_pre_ping": True}
-    if backend in ("mysql", "mariadb"):
+    if backend in ("postgresql", "mysql", "mariadb"):  # pre-ping: a connection the server dropped is replaced
         return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}, "pool_pre_ping": True}
     return {}
 
