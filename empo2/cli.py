@@ -36,6 +36,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.overrides)
     summary = train(cfg)
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:  # one upload per run, not per rank
+        from empo2.launch import log_run_files
+
+        log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts
     print_report(summary)
     return 0
 

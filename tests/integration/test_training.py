@@ -131,3 +131,20 @@ def test_validation_before_training_logs_the_baseline_at_iteration_minus_one(tmp
     resumed = train(load_config(FAST + [f"run_root={tmp_path}", "run_name=v", "logger=mlflow",
                                         "trainer.iterations=2", "trainer.val_before_train=true", "resume=auto"]))
     assert [h["iteration"] for h in resumed["history"] if "val/score_nomem" in h] == [-1, 0, 1]  # baseline once
+
+
+def test_a_plain_train_run_uploads_its_config_and_files_to_mlflow(tmp_path):
+    import subprocess
+    import sys
+
+    import mlflow
+
+    cmd = [sys.executable, "-m", "empo2.cli", "train", *FAST, "trainer.iterations=1", "logger=mlflow",
+           f"run_root={tmp_path}", "run_name=p"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.params["algo.p"] == "0.5" and run.data.params["model.name"] == "tiny"
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"learning_curve.png", "summary.json"}
