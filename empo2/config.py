@@ -41,8 +41,8 @@ class ModelConfig:
                     "wheel, converted once to a safetensors cache); `tiny`: a random Qwen2-style model for tests; "
                     "`minisci-bc`: a 0.7M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
                     "for an instruct LLM (built on first use, see empo2/prior.py); `minisci-tips`: the same size, "
-                    "also trained to act on tips and to write hindsight tips, so the memory is live on a CPU "
-                    "(empo2/prior_tips.py); "
+                    "also trained to act on tips and to write hindsight tips, meant to make the memory live on a "
+                    "CPU; its calibration is in the README (empo2/prior_tips.py); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
                     choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "hf",
                              "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
