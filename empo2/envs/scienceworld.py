@@ -71,8 +71,8 @@ class ScienceWorldTextEnv:
     Args:
         simplification: "easy" (default, as in the released code), "" or a comma-separated subset
             of `SIMPLIFICATIONS`.
-        max_steps: step budget for every task; None uses `TASK_BUDGETS` capped at `ENV_STEP_LIMIT`.
-            An episode that reaches it ends with `info["truncated"] = True`.
+        max_steps: step budget for every task; None uses the per-task `TASK_BUDGETS` (never shorter
+            than the package's gold path). An episode that reaches it ends with `info["truncated"] = True`.
         action_correction: replace input the simulator does not recognise by the valid action of
             highest word-level Jaccard overlap (the released code's rule); off: it is an invalid
             action that leaves the state unchanged.
@@ -153,7 +153,7 @@ class ScienceWorldTextEnv:
         """Step budget of `task` under this env's `max_steps`."""
         if self.max_steps is not None:
             return self.max_steps
-        return min(TASK_BUDGETS[check_task(task)], ENV_STEP_LIMIT)
+        return TASK_BUDGETS[check_task(task)]
 
     def reset(self, task: str | None = None, variation: int | None = None) -> tuple[str, dict[str, Any]]:
         """Load `task` (default: the constructor's `task`) at `variation` (default: a train variation
