@@ -42,6 +42,20 @@ def validation_tasks(cfg: TrainConfig) -> list[TaskSpec]:
     return [TaskSpec(t, v) for t in tasks for v in cat.split(t, cfg.env.val_split)[: cfg.env.val_variations]]
 
 
+def episode_step_bound(cfg: TrainConfig, env) -> int:
+    """How many lock-step steps a collection may run: `env.max_steps`, else the longest per-task budget of
+    the run's tasks where the environment has a budget table (ScienceWorld's reach 880 steps), and never
+    below 100 (the environments end their episodes themselves; the bound is also the width of the mode
+    draws, so it stays fixed for a given config)."""
+    if cfg.env.max_steps is not None:
+        return cfg.env.max_steps
+    budget = getattr(env, "budget", None)
+    if budget is None:
+        return 100
+    tasks = cfg.env.tasks or get_catalogue(cfg.env.name).tasks()
+    return max(100, *(budget(t) for t in tasks))
+
+
 def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
     from empo2.memory import Embedder, TipMemory
     from empo2.rollout.collector import CollectorSettings, RolloutCollector
@@ -64,7 +78,7 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
     settings = CollectorSettings(
         p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
         adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-        max_episode_steps=cfg.env.max_steps or 100, top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
+        max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
         per_step_entries=cfg.memory.per_step_entries, step_entry_key=cfg.memory.step_entry_key,
         key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history)

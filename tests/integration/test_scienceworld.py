@@ -303,3 +303,19 @@ def test_catalogue_is_the_package_split_and_cached(tmp_path, monkeypatch):
     assert again.variations == cat.variations and again.ood_tasks == ["boil"]
     with pytest.raises(ValueError, match="known tasks"):
         catalogue(ood_tasks=["boil-water"])
+
+
+def test_collections_run_as_long_as_the_longest_budget_of_the_run():
+    """Budgets above 100 steps take effect: the collector's step bound follows the run's tasks."""
+    from empo2.config import load_config
+    from empo2.envs import make_env
+    from empo2.train import episode_step_bound
+
+    env = make_env("scienceworld")  # no JVM until reset
+    boil = load_config(["env=scienceworld", "env.tasks=[boil,find-animal]", "model=tiny"])
+    assert episode_step_bound(boil, env) == env.budget("boil") > 100
+    short = load_config(["env=scienceworld", "env.tasks=[find-animal]", "model=tiny"])
+    assert episode_step_bound(short, env) == 100
+    fixed = load_config(["env=scienceworld", "env.tasks=[boil]", "env.max_steps=7", "model=tiny"])
+    assert episode_step_bound(fixed, env) == 7
+    env.close()
