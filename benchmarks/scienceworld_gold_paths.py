@@ -26,8 +26,9 @@ is over every played path, won or not.
 
 One JVM serves the whole run (a load is ~0.5-2 s, 8-13 s for the mendelian-genetics tasks, whose
 gold path is slow to generate): 4,053 task instances, ~100 min on a loaded 2-core machine, two
-thirds of it the 340 mendelian-genetics ones. Writes benchmarks/results/scienceworld_gold_paths.json (rewritten after every task, so an
-interrupted run keeps what it measured) and prints a table of max / median steps per task against
+thirds of it the 340 mendelian-genetics ones. Writes benchmarks/results/scienceworld_gold_paths.json
+(rewritten after every task, so an interrupted run keeps what it measured) and prints a table of max /
+median steps per task against
 the current `TASK_BUDGETS`.
 
 Usage: `python benchmarks/scienceworld_gold_paths.py [--train N] [--test 20] [--tasks a b ...]

@@ -8,8 +8,16 @@ import torch
 from empo2.envs.minisci import catalogue
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.models import _load_local, build_bpe_tokenizer
-from empo2.prior_tips import (TIP_FREE, TIP_REQUEST, WITH_TIPS, TipPriorSettings, dev_episodes,
-                              ensure_minisci_tips, hindsight_tip, tip_examples)
+from empo2.prior_tips import (
+    TIP_FREE,
+    TIP_REQUEST,
+    WITH_TIPS,
+    TipPriorSettings,
+    dev_episodes,
+    ensure_minisci_tips,
+    hindsight_tip,
+    tip_examples,
+)
 from empo2.rollout.prompts import PromptBuilder
 
 SMALL = TipPriorSettings(epochs=0.01, hidden_size=32, num_layers=1, vocab_size=400)
