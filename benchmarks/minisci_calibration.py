@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import load_config
+from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
 from empo2.models import load_policy
@@ -112,8 +112,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int) -> dict:
 
     collector = build_collector(cfg, model, tok, len(tasks))
     curve, success, wrong_focus, truths, t0 = [], [], [], [], time.perf_counter()
-    difficulty = Difficulty(**{f: getattr(cfg.env, f) for f in
-                               ("num_rooms", "num_distractors", "num_decoys", "closed_doors", "hide_prob")})
+    difficulty = Difficulty(**{f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
     true_rooms = []
     for spec in tasks:
         world, task = build(spec.task, spec.variation, difficulty)

@@ -36,7 +36,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.overrides)
     summary = train(cfg)
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:  # one upload per run, not per rank
+    # one upload per run, not per rank (torchrun sets RANK; Lightning's own launcher LOCAL_RANK and NODE_RANK)
+    if all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK")):
         from empo2.launch import log_run_files
 
         log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts

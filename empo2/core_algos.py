@@ -355,14 +355,15 @@ def agg_loss(
     keep = mask.bool() & valid
     loss_mat = torch.where(keep, loss_mat, torch.zeros_like(loss_mat))  # where, not *: NaN * 0 is NaN
     tokens = valid.sum(dim=-1)  # (B,)
+    # tensor denominators stay on the device (no host sync per micro-batch); given counts are plain ints
     if mode == "token-mean":
-        denom = tokens.sum() if num_tokens is None else num_tokens
-        return loss_mat.sum() / max(int(denom), 1)
+        denom = tokens.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
+        return loss_mat.sum() / denom
     seq_loss = loss_mat.sum(dim=-1)  # (B,)
     if mode == "seq-mean-token-mean":
         seq_loss = seq_loss / tokens.clamp(min=1)
-    denom = (tokens > 0).sum() if num_seqs is None else num_seqs
-    return seq_loss.sum() / max(int(denom), 1)
+    denom = (tokens > 0).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
+    return seq_loss.sum() / denom
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}

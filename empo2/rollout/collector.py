@@ -133,12 +133,12 @@ class RolloutCollector:
             # -- retrieval: one batched embedding + search for the memory-mode rollouts at this step
             tips: dict[int, list[tuple[int, str]]] = {}
             # (a rollout whose namespace holds no tip yet has nothing to find: no embedding is spent on it)
-            mem_live = [i for i in live if memory_mode[i, t]
-                        and self.memory.size(self.memory.namespace_key(trajs[i].task, trajs[i].variation))]
+            slots = {i: self.memory.namespace_key(trajs[i].task, trajs[i].variation) for i in live if memory_mode[i, t]}
+            mem_live = [i for i, slot in slots.items() if self.memory.size(slot)]
             if mem_live:
                 t0 = time.perf_counter()
                 queries = self.embedder.encode([self._key_text(envs[i], histories[i], obs[i]) for i in mem_live])
-                keys = [self.memory.namespace_key(trajs[i].task, trajs[i].variation) for i in mem_live]
+                keys = [slots[i] for i in mem_live]
                 hits = self.memory.search(queries, keys, k=s.top_k, min_sim=s.min_sim)
                 for i, found in zip(mem_live, hits):
                     tips[i] = [(rec.id, rec.text) for rec, _ in found]
