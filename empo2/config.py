@@ -245,6 +245,9 @@ class LoggerConfig:
     experiment: str = opt("empo2", "MLflow experiment name.")
     tags: dict = opt({}, "Extra MLflow run tags, e.g. `+logger.tags.team=nlp`. Grids add `grid` and `seed`, sweeps "
                      "`sweep`, `trial` and the study's parent run; the preset name is added as `preset`.")
+    retry_s: float = opt(30.0, "While the tracking server is away, seconds between delivery attempts of the kept "
+                         "metrics. Each failed attempt can cost up to 10 s of training; shorter notices the server's "
+                         "return sooner.", gt=0)
 
 
 # ----------------------------------------------------------------------------------------------- debug

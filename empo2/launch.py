@@ -154,17 +154,19 @@ def log_run_files(summary: dict) -> None:
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
+    from empo2.tracking import first_line, quick_requests
+
     client = MlflowClient(uri)
     try:
-        known = client.get_run(run_id).data.params
-        params = [Param(k, (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:500])
-                  for k, v in _flat(summary.get("config") or {}) if k not in known]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
-            client.log_batch(run_id, params=params[i:i + 100])
-        for path in (summary.get("plot"), summary.get("summary_path")):
-            if path and Path(path).is_file():
-                client.log_artifact(run_id, path)
+        with quick_requests():
+            known = client.get_run(run_id).data.params
+            params = [Param(k, (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:500])
+                      for k, v in _flat(summary.get("config") or {}) if k not in known]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+                client.log_batch(run_id, params=params[i:i + 100])
+            for path in (summary.get("plot"), summary.get("summary_path")):
+                if path and Path(path).is_file():
+                    client.log_artifact(run_id, path)
     except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        print(f"could not store the config and files of MLflow run {run_id} ({reason}); they stay in "
+        print(f"could not store the config and files of MLflow run {run_id} ({first_line(e)}); they stay in "
               f"{summary.get('run_dir')}")

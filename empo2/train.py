@@ -120,34 +120,29 @@ def check_tracking(cfg: TrainConfig) -> None:
         return
     import mlflow
 
+    from empo2.tracking import first_line, quick_requests
+
     uri = tracking_uri(cfg)
-    # One quick attempt: MLflow's default is 7 retries with back-off and a 120 s timeout per request.
-    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-    saved = {k: os.environ.get(k) for k in quick}
-    os.environ.update({k: v for k, v in quick.items() if saved[k] is None})
     try:
-        mlflow.MlflowClient(uri).search_experiments(max_results=1)
+        with quick_requests():
+            mlflow.MlflowClient(uri).search_experiments(max_results=1)
     except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"logger.tracking_uri={uri!r} cannot be reached: {reason} "
+        raise ConfigError(f"logger.tracking_uri={uri!r} cannot be reached: {first_line(e, 200)} "
                           f"(start the tracking server, fix the URI, or use logger=none)") from None
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
 
 
 def _logger(cfg: TrainConfig, run_dir: Path):
     if cfg.logger.name == "none":
         return None
-    from lightning.pytorch.loggers import MLFlowLogger
+    from empo2.tracking import SPOOL_NAME, ResilientMLFlowLogger
 
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if id_file.is_file() else None  # resume continues the same run
     tags = {"preset": cfg.experiment} if cfg.experiment else {}
     tags.update({str(k): str(v) for k, v in cfg.logger.tags.items()})
-    return MLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=tracking_uri(cfg), run_id=run_id,
-                        run_name=run_dir.name, tags=tags or None)
+    return ResilientMLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=tracking_uri(cfg),
+                                 run_id=run_id, run_name=run_dir.name, tags=tags or None,
+                                 spool=run_dir / SPOOL_NAME, retry_s=cfg.logger.retry_s)
 
 
 def state_fingerprint(model) -> str:

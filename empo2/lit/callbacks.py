@@ -93,6 +93,9 @@ class RolloutCallback(L.Callback):
     def produce(self, trainer: L.Trainer, pl_module) -> None:
         """This iteration's rollouts, old log-probs and mini-batch count, into the DataModule's buffer."""
         cfg, it = self.cfg, self.iteration
+        if it >= cfg.trainer.iterations:  # a finished run resumed: Lightning still opens the stream once
+            self.datamodule.set_rollouts([], [], it, 0)
+            return
         rank, world = trainer.global_rank, trainer.world_size
         # the schedule ends on the last iteration that runs (iterations - 1), so that one uses beta_end
         self.collector.settings.beta = core_algos.beta_at(it, cfg.trainer.iterations - 1, cfg.algo.beta_start,

@@ -304,3 +304,55 @@ def test_a_sweep_worker_whose_tracking_server_is_gone_stops_before_asking_for_a_
     assert "\n" not in str(e.value)
     study = optuna.load_study(study_name="team", storage=open_storage(team_sweep["url"]))
     assert [(t.number, t.state) for t in study.trials] == before  # nothing asked, nothing lost
+
+
+class _Outages:
+    """A Lightning callback that stops the tracking server at the end of the iterations in `down` and
+    starts it again (same port, same PostgreSQL store) at the end of those in `up`."""
+
+    def __init__(self, server, backend: str, folder: Path, down: set[int], up: set[int]):
+        import lightning as L
+
+        outer = self
+
+        class Hook(L.Callback):
+            def on_train_epoch_end(self, trainer, pl_module):
+                if trainer.current_epoch in down:
+                    outer.server.stop()
+                if trainer.current_epoch in up:
+                    outer.server = start_mlflow(backend, folder, port=outer.server.port)
+
+        self.server, self.callback = server, Hook()
+
+
+def test_a_run_trains_through_tracking_server_outages_and_delivers_every_metric(pg, tmp_path, capsys):
+    from empo2.config import load_config
+    from empo2.train import train
+
+    backend, folder = pg.create_database("outage"), tmp_path / "server"
+    outages = _Outages(start_mlflow(backend, folder), backend, folder, down={0, 2}, up={1})
+    args = TINY + ["logger=mlflow", f"logger.tracking_uri={outages.server.uri}", "logger.experiment=outage",
+                   "logger.retry_s=0.1", "trainer.iterations=4", f"run_root={tmp_path}", "run_name=r"]
+    try:
+        # down after iteration 0, back after 1 (its metrics kept meanwhile), down for good after 2
+        summary = train(load_config(args), callbacks=[outages.callback])
+        out = capsys.readouterr().out
+        assert out.count("unreachable") == 2 and out.count("is back") == 1, out
+        spool = tmp_path / "r" / "mlflow_pending.json"
+        kept = json.loads(spool.read_text())
+        assert kept[-1] == {"terminate": "FINISHED"} and any("metrics" in b for b in kept)
+        # the server returns; the run's next resume delivers what the first attempt could not
+        outages.server = start_mlflow(backend, folder, port=outages.server.port)
+        train(load_config(args + ["resume=auto"]))
+        assert "earlier attempt were not delivered" in capsys.readouterr().out
+        assert not spool.exists()
+        client = MlflowClient(outages.server.uri)
+        run = client.get_run(summary["mlflow_run_id"])
+        assert run.info.status == "FINISHED"
+        for key in ("rollout/return", "val/score_nomem", "train/env_steps"):
+            logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+            expected = sorted(h["iteration"] for h in summary["history"] if key in h)
+            assert logged == expected, key  # every iteration, each once
+        assert [h["iteration"] for h in summary["history"] if "rollout/return" in h] == [0, 1, 2, 3]
+    finally:
+        outages.server.stop()

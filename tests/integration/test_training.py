@@ -73,6 +73,10 @@ def test_resume_is_exact(tmp_path):
     ka, kb = next(k for k in ma if "Rollout" in k), next(k for k in mb if "Rollout" in k)
     assert ma[ka]["memory"]["records"] == mb[kb]["memory"]["records"]
     assert ma[ka]["novelty"] == mb[kb]["novelty"]
+    # resuming a run that has finished collects nothing more: no rollout, no step, the same end state
+    again = train(load_config(four + ["run_name=b", "resume=auto"]))
+    assert untimed(again["history"]) == untimed(resumed["history"])
+    assert again["metrics"]["train/env_steps"] == resumed["metrics"]["train/env_steps"]
 
 
 @pytest.mark.slow
