@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "compare": "table and learning curves of an MLflow experiment: "
                "`empo2 compare --experiment NAME [--group-by preset]`",
     "models": "list the policy presets and whether each is available on this machine",
+    "config": "list the config groups and their options, or every field of one: `empo2 config [GROUP|train]`",
 }
 
 
@@ -35,6 +36,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from empo2.train import train
 
     cfg = load_config(args.overrides)
+    if args.cfg:  # the resolved config of this command line, nothing run
+        from omegaconf import OmegaConf
+
+        from empo2.config import to_dict
+
+        print(OmegaConf.to_yaml(to_dict(cfg)), end="")
+        return 0
     summary = train(cfg)
     # one upload per run, not per rank (torchrun sets RANK; Lightning's own launcher LOCAL_RANK and NODE_RANK)
     if all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK")):
@@ -42,6 +50,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts
     print_report(summary)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from empo2.config import describe
+
+    print(describe(args.section))
     return 0
 
 
@@ -148,8 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == "train":
-            p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algo.p=0.4 model=tiny")
+            p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algo.p=0.4 model=tiny (groups and "
+                                                        "fields: `empo2 config`)")
+            p.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
             p.set_defaults(func=_cmd_train)
+        elif name == "config":
+            p.add_argument("section", nargs="?", help="a group (algo, env, ...) or `train` for the root fields")
+            p.set_defaults(func=_cmd_config)
         elif name == "models":
             p.set_defaults(func=_cmd_models)
         elif name in ("eval", "adapt"):

@@ -230,6 +230,10 @@ class TrainerConfig:
     val_every: int = opt(5, "Validate every this many iterations.", gt=0)
     val_memory: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
                            "(`val/*_nomem`) measures what the weights alone learned.")
+    val_train: bool = opt(False, "Also validate on the training instances (the first `env.val_variations` of the "
+                          "variations the run trains on), logged as `val_train/*`: with few training instances "
+                          "a policy can improve there by remembering them, while `val/*` (held-out "
+                          "variations) shows only what generalises. Doubles validation time.")
     val_before_train: bool = opt(False, "Validate the initial policy before the first update, logged at iteration "
                                  "-1 with train/env_steps 0: the baseline every curve starts from. Costs one "
                                  "validation; skipped on resume.")
@@ -378,22 +382,59 @@ def _reject_unknown_keys(node: dict, cls: type, prefix: str) -> None:
     names = {f.name for f in dataclasses.fields(cls)}
     for key, value in node.items():
         if key not in names:
-            where = prefix.rstrip(".") or "the root config"
-            raise ConfigError(f"{prefix}{key}: unknown key (the fields of {where} are listed in empo2/config.py)")
+            raise ConfigError(_unknown_key(f"{prefix}{key}"))
         group = getattr(defaults, key)
         if dataclasses.is_dataclass(group) and isinstance(value, dict):
             _reject_unknown_keys(value, type(group), f"{prefix}{key}.")
 
 
+def _unknown_key(key: str) -> str:
+    """`algo.pp: unknown key; did you mean algo.p? ...`: the closest fields of the key's group (difflib)."""
+    import difflib
+
+    *path, name = key.split(".")
+    cls: type = TrainConfig
+    for part in path:
+        sub = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if sub is None or not dataclasses.is_dataclass(getattr(cls(), part)):
+            break
+        cls = type(getattr(cls(), part))
+    group = ".".join(path)
+    close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(cls)], n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(f'{group}.{c}' if group else c for c in close)}?" if close else ""
+    return f"{key}: unknown key{hint} (`empo2 config {group or 'train'}` lists the fields)"
+
+
+def _unknown_option(group: str, option: str) -> str:
+    """`model=qwen9: no such option; choose from ...`, the group's YAML files (closest first)."""
+    import difflib
+
+    options = group_options(group)
+    if not options:
+        return f"{group}={option}: {group} is not a config group (the groups are the folders of conf/)"
+    close = difflib.get_close_matches(option, options, n=2, cutoff=0.5)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return f"{group}={option}: no such option{hint}; choose from {', '.join(options)}"
+
+
 def _one_line(e: Exception) -> str:
     """OmegaConf/Hydra errors span several lines with a full-key footer; keep what names the problem."""
+    import re
+
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    missing = re.match(r"In '\w+': Could not find '([\w.-]+)/([\w.-]+)'", lines[0]) if lines else None
+    if missing:
+        return _unknown_option(*missing.groups())
+    cause = e.__cause__
+    if lines and lines[0].startswith("Error merging override") and cause is not None:
+        override = lines[0].removeprefix("Error merging override").strip()
+        reason = [ln.strip() for ln in str(cause).splitlines() if ln.strip()][0]
+        return f"{override}: {reason}"
     key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
     if not key and lines and lines[0].startswith("Could not override '"):
         key = lines[0].split("'")[1]  # Hydra's message for `group.unknown=value`
     if key and any("not in struct" in ln or "not in '" in ln or "To append" in ln for ln in lines):
-        group = key.rsplit(".", 1)[0] if "." in key else "the root config"
-        return f"{key}: unknown key (the fields of {group} are listed in empo2/config.py)"
+        return _unknown_key(key)
     head = lines[0] if lines else type(e).__name__
     return f"{key}: {head}" if key and key not in head else head
 
@@ -401,3 +442,52 @@ def _one_line(e: Exception) -> str:
 def to_dict(cfg: TrainConfig) -> dict:
     """Plain nested dict of the resolved config (for summary.json and MLflow params)."""
     return dataclasses.asdict(cfg)
+
+
+# ------------------------------------------------------------------------------------------- discovery
+def group_options(group: str) -> list[str]:
+    """The options of a config group: `conf/<group>/*.yaml`."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _range(meta) -> str:
+    if meta.get("choices"):
+        text = " | ".join(map(str, meta["choices"]))
+    else:
+        text = " ".join(f"{sym} {meta[k]:g}" for k, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+                        if meta.get(k) is not None)
+    return " | ".join(t for t in (text, "null" if meta.get("nullable") else "") if t)
+
+
+def describe(section: str | None = None) -> str:
+    """`empo2 config`: the groups and their options; `empo2 config algo`: every field of the section with
+    its default, allowed range and documentation (the dataclasses above are the one source)."""
+    if section is None:
+        lines = ["config groups (choose an option with GROUP=OPTION, e.g. model=tiny):"]
+        lines += [f"  {g:<8} {', '.join(group_options(g))}" for g in GROUPS]
+        lines += ["root fields: `empo2 config train`; a section's fields: `empo2 config GROUP`; "
+                  "the resolved config of a command line: `empo2 train ... --cfg`"]
+        return "\n".join(lines)
+    defaults = TrainConfig()
+    if section == "train":
+        cls, obj, prefix = TrainConfig, defaults, ""
+    elif section in GROUPS:
+        obj = getattr(defaults, section)
+        cls, prefix = type(obj), f"{section}."
+    else:
+        import difflib
+
+        close = difflib.get_close_matches(section, ["train", *GROUPS], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}")
+    options = f"options {', '.join(group_options(section))}" if section != "train" else "root fields"
+    lines = [f"{section} ({options}):"]
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            continue
+        meta = f.metadata
+        allowed = _range(meta)
+        lines.append(f"  {prefix}{f.name} = {value!r}" + (f"   [{allowed}]" if allowed else ""))
+        lines.append(f"      {meta.get('help', '')}")
+    return "\n".join(lines)

@@ -232,9 +232,29 @@ def test_shipped_sweeps_load():
     (["train", "experiment=no_such"], "experiment=no_such: unknown preset"),
     (["eval", "ckpt=/nowhere"], "ckpt=/nowhere: no checkpoint there"),
     (["compare", "--experiment", "x", "--run-root", "/nowhere"], "no MLflow database at /nowhere/mlflow.db"),
+    (["train", "model=smolm2"], "model=smolm2: no such option (did you mean smollm2?); choose from hf, minisci_bc"),
+    (["train", "algo.pp=0.3"], "algo.pp: unknown key; did you mean algo.p?"),
+    (["train", "algo.p=abc"], "algo.p=abc: Value 'abc' of type 'str' could not be converted to Float"),
+    (["config", "algoo"], "algoo: no such config section (did you mean algo?)"),
 ])
 def test_user_mistakes_exit_2_with_one_line(args, needle):
     proc = empo2(*args, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("empo2 ")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_config_lists_groups_and_fields_and_train_cfg_prints_the_resolved_config():
+    groups = empo2("config", timeout=60)
+    assert groups.returncode == 0 and "  model    hf, minisci_bc, minisci_tips" in groups.stdout
+    algo = empo2("config", "algo", timeout=60).stdout
+    # every field of the section, its default, its range and its documentation
+    assert "  algo.p = 0.25   [>= 0 <= 1]" in algo and "Probability that a rollout is memory-augmented" in algo
+    assert "  algo.mask_mode = 'token'   [token | sequence]" in algo
+    resolved = empo2("train", "model=tiny", "algo.p=0.3", "run_root=/nonexistent/never", "--cfg", timeout=60)
+    assert resolved.returncode == 0, resolved.stderr
+    import yaml
+
+    cfg = yaml.safe_load(resolved.stdout)
+    assert cfg["algo"]["p"] == 0.3 and cfg["model"]["name"] == "tiny" and cfg["algo"]["q"] == 0.68
+    assert not Path("/nonexistent/never").exists()  # printed, nothing run
