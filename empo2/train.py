@@ -34,12 +34,16 @@ def env_kwargs(cfg: TrainConfig) -> dict:
     return kw
 
 
-def validation_tasks(cfg: TrainConfig) -> list[TaskSpec]:
+def validation_tasks(cfg: TrainConfig, on_train: bool = False) -> list[TaskSpec]:
     """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
-    two runs (and two iterations of one run) are always scored on the same instances."""
+    two runs (and two iterations of one run) are always scored on the same instances. With `on_train`, the
+    first ones of the variations the run trains on (`train_split`, within `train_variations`)."""
     cat = get_catalogue(cfg.env.name)
     tasks = cfg.env.tasks or cat.tasks()
-    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, cfg.env.val_split)[: cfg.env.val_variations]]
+    split, n = cfg.env.val_split, cfg.env.val_variations
+    if on_train:
+        split, n = cfg.env.train_split, min(n, cfg.env.train_variations or n)
+    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n]]
 
 
 def episode_step_bound(cfg: TrainConfig, env) -> int:
@@ -197,6 +201,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     os.environ["EMPO2_RUN_NAME"] = run_dir.name  # DDP worker processes rerun this and must find the same folder
     model, tok = load_policy(cfg.model)
     val_tasks = validation_tasks(cfg)
+    train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []
     t = cfg.trainer
     datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed)
     ref_policy = None
@@ -207,9 +212,9 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy,
                          temperature=cfg.rollout.temperature)
-    n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks))
+    n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))
     collector = build_collector(cfg, model, tok, n_envs)
-    rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks)
+    rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks, train_val_tasks)
     ckpt_dir = run_dir / "checkpoints"
     ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
                               save_top_k=-1, save_last=True, save_on_train_epoch_end=True)

@@ -63,8 +63,9 @@ def full_params(trainer: L.Trainer):
 
 class RolloutCallback(L.Callback):
     def __init__(self, cfg: TrainConfig, collector: RolloutCollector, datamodule: RolloutDataModule,
-                 val_tasks: list[TaskSpec]):
+                 val_tasks: list[TaskSpec], train_val_tasks: list[TaskSpec] = ()):
         self.cfg, self.collector, self.datamodule, self.val_tasks = cfg, collector, datamodule, val_tasks
+        self.train_val_tasks = list(train_val_tasks)  # `trainer.val_train`: the training instances, tip-free
         self.catalogue = get_catalogue(cfg.env.name)
         self.history: list[dict[str, float]] = []  # per-iteration rollout and validation numbers
         # Iterations completed. Our own counter, checkpointed with the rest of our state: on resume,
@@ -154,22 +155,26 @@ class RolloutCallback(L.Callback):
         self.iteration += 1
 
     def validate(self, iteration: int) -> dict[str, float]:
-        """Score the fixed validation list without memory and, with `trainer.val_memory`, with it."""
+        """Score the fixed validation list (`val/*`), and with `trainer.val_train` the training instances
+        (`val_train/*`), without memory and, with `trainer.val_memory`, with it."""
         out = {}
         with_memory = self.cfg.trainer.val_memory and self.collector.memory is not None
         modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
-        for name, use_memory in modes:
-            generator = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 2**20, name == "mem"))
-            saved = self.collector.settings.temperature
-            self.collector.settings.temperature = self.cfg.rollout.val_temperature
-            try:
-                batch = self.collector.collect(self.val_tasks, 1, iteration, generator, evaluate=True,
-                                               use_memory=use_memory)
-            finally:
-                self.collector.settings.temperature = saved
-            out[f"val/score_{name}"] = batch.stats["rollout/score"]
-            out[f"val/success_{name}"] = batch.stats["rollout/success"]
-            out[f"val/episode_len_{name}"] = batch.stats["rollout/episode_len"]
+        lists = [("val", self.val_tasks, ())] + ([("val_train", self.train_val_tasks, (1,))]
+                                                 if self.train_val_tasks else [])
+        for prefix, tasks, salt in lists:
+            for name, use_memory in modes:
+                generator = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 2**20, name == "mem", *salt))
+                saved = self.collector.settings.temperature
+                self.collector.settings.temperature = self.cfg.rollout.val_temperature
+                try:
+                    batch = self.collector.collect(tasks, 1, iteration, generator, evaluate=True,
+                                                   use_memory=use_memory)
+                finally:
+                    self.collector.settings.temperature = saved
+                out[f"{prefix}/score_{name}"] = batch.stats["rollout/score"]
+                out[f"{prefix}/success_{name}"] = batch.stats["rollout/success"]
+                out[f"{prefix}/episode_len_{name}"] = batch.stats["rollout/episode_len"]
         return out
 
     # ------------------------------------------------------------------------------------ helpers

@@ -152,3 +152,19 @@ def test_a_plain_train_run_uploads_its_config_and_files_to_mlflow(tmp_path):
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["algo.p"] == "0.5" and run.data.params["model.name"] == "tiny"
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"learning_curve.png", "summary.json"}
+
+
+def test_validation_on_the_training_instances_scores_the_variations_the_run_trains_on(tmp_path):
+    from empo2.envs import get_catalogue
+    from empo2.train import validation_tasks
+
+    args = FAST + [f"run_root={tmp_path}", "run_name=t", "trainer.iterations=1", "trainer.val_train=true",
+                   "env.train_variations=2", "env.val_variations=3", "env.tasks=[find-living-thing]"]
+    cfg = load_config(args)
+    held_out, seen = validation_tasks(cfg), validation_tasks(cfg, on_train=True)
+    cat = get_catalogue("minisci")
+    assert [t.variation for t in seen] == cat.split("find-living-thing", "train")[:2]  # within train_variations
+    assert [t.variation for t in held_out] == cat.split("find-living-thing", "test")[:3]
+    [h] = [h for h in train(cfg)["history"] if "val/score_nomem" in h]
+    assert {"val_train/score_nomem", "val_train/success_nomem", "val_train/episode_len_nomem"} <= set(h)
+    assert 0.0 <= h["val_train/score_nomem"] <= 100.0
