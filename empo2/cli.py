@@ -13,6 +13,7 @@ import sys
 from empo2.config import ConfigError
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # its database-migration INFO lines are not ours
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    from empo2.lit.module import NonFiniteLossError
+    from empo2.errors import NonFiniteLossError
 
     try:
         return args.func(args)

@@ -335,6 +335,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if changed:
             raise ConfigError(f"env.{changed[0]}={house[changed[0]]} is not allowed: it sets the MiniSci house, "
                               f"and env.name={cfg.env.name}")
+    if cfg.logger.name == "mlflow" and not cfg.logger.experiment.strip():
+        raise ConfigError(f"logger.experiment={cfg.logger.experiment!r} is not allowed: MLflow needs an experiment "
+                          "name (or logger=none)")
     if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
         raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
                           f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")

@@ -183,6 +183,11 @@ def plot_curves(history: list[dict], path: Path) -> None:
 
 def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
+    from empo2.preflight import preflight
+
+    t0 = time.time()
+    preflight(cfg)  # the machine's side of the config, before the heavy imports and any folder
+    check_tracking(cfg)
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
@@ -192,14 +197,12 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     from empo2.lit.module import EMPO2Module
     from empo2.lit.strategy import build_strategy
 
-    t0 = time.time()
-    check_tracking(cfg)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
+    model, tok = load_policy(cfg.model)  # before the run folder: a model that cannot load leaves none behind
     run_dir = make_run_dir(cfg.run_root, cfg.run_name or os.environ.get("EMPO2_RUN_NAME"))
     os.environ["EMPO2_RUN_NAME"] = run_dir.name  # DDP worker processes rerun this and must find the same folder
-    model, tok = load_policy(cfg.model)
     val_tasks = validation_tasks(cfg)
     train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []
     t = cfg.trainer

@@ -19,15 +19,12 @@ import torch
 
 from empo2 import core_algos
 from empo2.config import AlgoConfig, TrainerConfig
+from empo2.errors import NonFiniteLossError
 from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.rollout.types import StepSample
 
 NONFINITE_CHECKPOINT = "nonfinite.ckpt"
-
-
-class NonFiniteLossError(RuntimeError):
-    """Raised after `trainer.max_nonfinite_steps` consecutive skipped steps (a checkpoint is saved first)."""
 
 
 class EMPO2Module(L.LightningModule):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,3 +259,50 @@ def test_config_lists_groups_and_fields_and_train_cfg_prints_the_resolved_config
     cfg = yaml.safe_load(resolved.stdout)
     assert cfg["algo"]["p"] == 0.3 and cfg["model"]["name"] == "tiny" and cfg["algo"]["q"] == 0.68
     assert not Path("/nonexistent/never").exists()  # printed, nothing run
+
+
+def _no_java_path(tmp_path: Path) -> str:
+    """A PATH that has everything of this one but `java`."""
+    import shutil
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        for tool in Path(folder).glob("*") if Path(folder).is_dir() else []:
+            if tool.name != "java" and not (bare / tool.name).exists():
+                (bare / tool.name).symlink_to(tool)
+    assert shutil.which("java", path=str(bare)) is None
+    return str(bare)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["env=scienceworld"], "env=scienceworld needs Java 11+ and no `java` on PATH"),
+    (["engine=vllm"], "engine=vllm needs the vllm package"),
+    (["trainer=gpu"], "trainer.accelerator=gpu needs a CUDA GPU"),
+    (["trainer=fsdp"], "needs a CUDA GPU"),
+    (["logger.experiment="], "logger.experiment='' is not allowed: MLflow needs an experiment name"),
+    (["run_root={file}/runs"], "run_root={file}/runs cannot be used: {file} is a file, not a folder"),
+    (["model=hf", "model.path={root}/no-model"], "holds no transformers checkpoint"),
+])
+def test_machine_mistakes_exit_2_with_one_line_fast_and_leave_no_run_folder(tmp_path, args, needle):
+    import importlib.util
+
+    import torch
+
+    if "vllm" in needle and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    if "GPU" in needle and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    root, file = tmp_path / "runs", tmp_path / "a-file"
+    file.write_text("")
+    fill = {"root": root, "file": file}
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", PATH=_no_java_path(tmp_path))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "train", "model=tiny", f"run_root={root}",
+                           *(a.format(**fill) for a in args)], capture_output=True, text=True, timeout=120, env=env)
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle.format(**fill) in lines[0], lines
+    assert not root.exists() or not any(root.iterdir()), "a failed start left a run folder"
+    assert seconds < 20, f"{seconds:.1f} s to report a config mistake"  # ~3 s alone; generous for a busy CI

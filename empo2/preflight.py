@@ -1,0 +1,79 @@
+"""What a config needs from the machine, checked before any heavy import and before the run folder is
+made: a run root that can be written, a checkpoint folder for `model=hf` and the Qwen presets, Java for
+ScienceWorld, vLLM and a GPU for `engine=vllm`, a GPU for GPU trainers. Each failure is one
+`ConfigError` line naming the key and the way out; the whole check takes about a second (importing
+torch is most of it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from empo2.config import ConfigError, TrainConfig
+
+MIN_JAVA = 11  # ScienceWorld 1.2 runs its bundled jar on Java 11 or newer (tested here on 17)
+
+
+def writable_root(key: str, root: str) -> None:
+    """`root` exists as a writable folder, or could be made under its nearest existing parent."""
+    path = Path(root).expanduser().resolve()
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}={root} cannot be used: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={root} cannot be written: no write permission in {probe} "
+                          f"(choose another {key})")
+
+
+def java_version() -> int | None:
+    """The major version of `java` on PATH, None when there is none."""
+    java = shutil.which("java")
+    if java is None:
+        return None
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', out)
+    if not m:
+        return None
+    major = int(m.group(1))
+    return int(m.group(2) or 0) if major == 1 else major  # "1.8.0" is Java 8
+
+
+def needs_gpu(key: str, value: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}={value} needs a CUDA GPU and this machine has none (on a CPU: trainer=cpu, "
+                          f"or trainer=ddp trainer.accelerator=cpu)")
+
+
+def preflight(cfg: TrainConfig) -> None:
+    from empo2.models import PRESETS, resolve_path
+
+    writable_root("run_root", cfg.run_root)
+    if cfg.model.name == "hf" or PRESETS[cfg.model.name].hf_id:  # a checkpoint on disk, not one we build
+        resolve_path(cfg.model)
+    if cfg.env.name == "scienceworld":
+        version = java_version()
+        if version is None or version < MIN_JAVA:
+            found = "no `java` on PATH" if version is None else f"`java` on PATH is Java {version}"
+            raise ConfigError(f"env=scienceworld needs Java {MIN_JAVA}+ and {found} (Debian: apt install "
+                              f"openjdk-17-jre-headless)")
+    if cfg.engine.name == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("engine=vllm needs the vllm package, which has no CPU build: pip install '.[vllm]' "
+                              "on a GPU machine, or engine=hf")
+        needs_gpu("engine", "vllm")
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        needs_gpu("trainer.accelerator", cfg.trainer.accelerator)
+    if cfg.trainer.strategy == "fsdp":
+        needs_gpu("trainer.strategy", "fsdp")
