@@ -117,6 +117,24 @@ def tracking_uri(cfg: TrainConfig) -> str:
     return cfg.logger.tracking_uri or f"sqlite:///{Path(cfg.run_root).expanduser().resolve() / 'mlflow.db'}"
 
 
+def resume_run_name(cfg: TrainConfig) -> str | None:
+    """The run folder name: `run_name`; with `resume=auto` and no name, the newest unfinished run under
+    `run_root` (a checkpoint and no summary.json), so a bare `resume=auto` never silently starts over."""
+    name = cfg.run_name or os.environ.get("EMPO2_RUN_NAME")
+    if name or cfg.resume != "auto":
+        return name
+    root = Path(cfg.run_root).expanduser()
+    # run folders nest one level in grids and sweeps (<grid>/<preset>-s<seed>)
+    ckpts = [*root.glob("*/checkpoints/*.ckpt"), *root.glob("*/*/checkpoints/*.ckpt")]
+    unfinished = {c.parent.parent for c in ckpts if not (c.parent.parent / "summary.json").is_file()}
+    if not unfinished:
+        raise ConfigError(f"resume=auto without run_name: no unfinished run under {root} to resume "
+                          f"(give run_name=NAME, or resume=never for a new run)")
+    newest = max(unfinished, key=lambda d: max(p.stat().st_mtime for p in (d / "checkpoints").glob("*.ckpt")))
+    print(f"resume=auto: resuming the newest unfinished run, {newest}")
+    return str(newest.relative_to(root))
+
+
 def check_tracking(cfg: TrainConfig) -> None:
     """Fail before any work when the MLflow tracking store cannot be reached (a server that is down, a
     sqlite file that cannot be opened), instead of at the first metric, minutes or hours in."""
@@ -187,6 +205,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
 
     t0 = time.time()
     preflight(cfg)  # the machine's side of the config, before the heavy imports and any folder
+    run_name = resume_run_name(cfg)
     check_tracking(cfg)
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
@@ -201,7 +220,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
     model, tok = load_policy(cfg.model)  # before the run folder: a model that cannot load leaves none behind
-    run_dir = make_run_dir(cfg.run_root, cfg.run_name or os.environ.get("EMPO2_RUN_NAME"))
+    run_dir = make_run_dir(cfg.run_root, run_name)
     os.environ["EMPO2_RUN_NAME"] = run_dir.name  # DDP worker processes rerun this and must find the same folder
     val_tasks = validation_tasks(cfg)
     train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []

@@ -168,3 +168,18 @@ def test_validation_on_the_training_instances_scores_the_variations_the_run_trai
     [h] = [h for h in train(cfg)["history"] if "val/score_nomem" in h]
     assert {"val_train/score_nomem", "val_train/success_nomem", "val_train/episode_len_nomem"} <= set(h)
     assert 0.0 <= h["val_train/score_nomem"] <= 100.0
+
+
+def test_resume_auto_without_a_run_name_resumes_the_newest_unfinished_run_or_refuses(tmp_path):
+    from empo2.config import ConfigError
+
+    args = FAST + [f"run_root={tmp_path}", "trainer.iterations=2"]
+    with pytest.raises(ConfigError, match=r"^resume=auto without run_name: no unfinished run under "):
+        train(load_config(args + ["resume=auto"]))
+    assert not any(tmp_path.iterdir())  # refused before anything was made
+    train(load_config(args + ["run_name=done"]))  # finished: has its summary.json
+    train(load_config(args + ["run_name=cut"]), callbacks=[StopAfter(1)])
+    (tmp_path / "cut" / "summary.json").unlink()  # as a run killed after its first checkpoint leaves it
+    resumed = train(load_config(args + ["resume=auto"]))
+    assert resumed["run_dir"] == str(tmp_path / "cut")
+    assert [h["iteration"] for h in resumed["history"] if "rollout/return" in h] == [0, 1]
