@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from empo2.config import ConfigError
 
@@ -44,7 +45,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         print(OmegaConf.to_yaml(to_dict(cfg)), end="")
         return 0
-    summary = train(cfg)
+    summary = _interruptible(lambda: train(cfg), cfg, args.overrides)
     # one upload per run, not per rank (torchrun sets RANK; Lightning's own launcher LOCAL_RANK and NODE_RANK)
     if all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK")):
         from empo2.launch import log_run_files
@@ -52,6 +53,49 @@ def _cmd_train(args: argparse.Namespace) -> int:
         log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts
     print_report(summary)
     return 0
+
+
+def _interruptible(run, cfg, overrides: list[str]):
+    """`run()` with Ctrl-C turned into a report: the last finished iteration, its checkpoint and the exact
+    command that resumes the run; exit status 130. A second Ctrl-C stops at once."""
+    import signal
+
+    from empo2.errors import Interrupted
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        return run()
+    except Interrupted:
+        name = cfg.run_name or os.environ.get("EMPO2_RUN_NAME")
+        ckpt = _last_checkpoint(Path(cfg.run_root).expanduser() / name) if name else None
+        print("\ninterrupted", file=sys.stderr)
+        if ckpt is None:
+            print("  no iteration finished: nothing to resume", file=sys.stderr)
+            raise SystemExit(130) from None
+        path, iteration = ckpt
+        kept = [o for o in overrides if not o.startswith(("run_name=", "resume="))]
+        command = " ".join(["empo2 train", *kept, f"run_name={name}", "resume=auto"])
+        print(f"  last finished iteration {iteration}, checkpoint {path}\n  resume with: {command}", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _last_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
+    """(newest readable checkpoint, the last iteration it completed, 0-based), None without one."""
+    import torch
+
+    from empo2.train import find_resume_checkpoint
+
+    folder = run_dir / "checkpoints"
+    path = find_resume_checkpoint(folder) if folder.is_dir() else None
+    if path is None:
+        return None
+    return path, int(torch.load(path, map_location="cpu", weights_only=True)["epoch"])
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -134,7 +178,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from empo2.compare import compare
 

@@ -306,3 +306,28 @@ def test_machine_mistakes_exit_2_with_one_line_fast_and_leave_no_run_folder(tmp_
     assert len(lines) == 1 and needle.format(**fill) in lines[0], lines
     assert not root.exists() or not any(root.iterdir()), "a failed start left a run folder"
     assert seconds < 20, f"{seconds:.1f} s to report a config mistake"  # ~3 s alone; generous for a busy CI
+
+
+def test_ctrl_c_reports_the_last_iteration_and_the_resume_command_and_exits_130(tmp_path):
+    import signal
+
+    args = ["train", *FAST, "logger=none", "trainer.iterations=30", "trainer.ckpt_every=1", f"run_root={tmp_path}",
+            "run_name=r"]
+    proc = subprocess.Popen([sys.executable, "-m", "empo2.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+    deadline = time.monotonic() + 240
+    while not list((tmp_path / "r" / "checkpoints").glob("iter-*.ckpt")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "graceful shutdown" not in out + err
+    [line] = [ln for ln in err.splitlines() if "resume with:" in ln]
+    command = line.split("resume with: ", 1)[1].split()
+    assert command[:2] == ["empo2", "train"] and command[-2:] == ["run_name=r", "resume=auto"]
+    assert "last finished iteration" in err
+    # the printed command resumes the run (shortened to end soon)
+    again = empo2(*command[1:], "trainer.iterations=3", timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert [h["iteration"] for h in summary["history"] if "rollout/return" in h] == [0, 1, 2]
