@@ -103,7 +103,7 @@ def tip_is_true(tip: str | None, true_rooms: dict[str, str]) -> bool:
     return bool(claims) and all(f"{thing} in the {room}" in tip for thing, room in claims.items())
 
 
-def play_memory(cfg, model, tok, tasks, rounds: int, seed: int) -> dict:
+def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -> dict:
     """Memory-only adaptation of one family: score per round with the policy's own tips, tip truth,
     and the score with irrelevant tips only."""
     from empo2.envs.minisci.env import build
@@ -124,6 +124,9 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int) -> dict:
         success.append(statistics.fmean(tr.won for tr in trs))
         wrong_focus.append(statistics.fmean(tr.length < cfg.env.max_steps and not tr.won for tr in trs))
         truths += [tip_is_true(tr.tip, rooms) for tr, rooms in zip(trs, true_rooms)]
+        for spec, tr in list(zip(tasks, trs))[:show]:  # what the numbers come from: actions and the tip written
+            actions = [tok.decode(s.response_ids, skip_special_tokens=True).strip() for s in tr.samples]
+            print(f"  round {r} {spec.task}/{spec.variation}: score {tr.score:.0f}, actions {actions}, tip {tr.tip!r}")
     # irrelevant tips only: each instance's namespace gets the tips written for the next instance
     own = collector.memory
     foreign = TipMemory(own.dim, **{k: v for k, v in own.config().items() if k != "dim"})
@@ -144,7 +147,8 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int) -> dict:
 
 def main_memory(args) -> None:
     base = [f"model={args.model}", "algo.p=1", "algo.q=0", "algo.beta_start=0", "algo.beta_end=0",
-            f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", f"seed={args.seed}"]
+            f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64",
+            f"seed={args.seed}"]
     model, tok = load_policy(load_config(base).model)
     model.eval()
     cat = get_catalogue("minisci")
@@ -155,7 +159,7 @@ def main_memory(args) -> None:
         cfg = load_config(base + parse_setting(setting))
         for family in args.families:
             tasks = cat.sample(args.groups, "train", seed=args.seed, tasks=[family])
-            res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed)
+            res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed, args.show)
             rows.append({"setting": setting or "default", "family": family, **res})
             c = res["score_by_round"]
             after = " / ".join(f"{c[k]:.1f}" if k < len(c) else "-" for k in (1, 2, 4))
@@ -184,6 +188,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory", action="store_true", help="memory-only adaptation with the policy's own tips")
     ap.add_argument("--rounds", type=int, default=5, help="with --memory: episodes per instance, one after another")
+    ap.add_argument("--show", type=int, default=0, help="with --memory: print the actions and tip of this many "
+                                                        "instances per round")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/minisci_calibration"
                                                 "[_memory].json)")
     args = ap.parse_args()

@@ -51,14 +51,14 @@ TIP_FREE, WITH_TIPS, TIP_REQUEST = "act", "act_with_tips", "tip_request"
 class TipPriorSettings(BCSettings):
     """Everything the cached model depends on (its hash names the cache folder)."""
 
-    houses_per_variation: int = 1
+    houses_per_variation: int = 2
     explorers_per_house: int = 2  # exploration episodes per (instance, house): the tips' sources
     explorer_steps: tuple[int, int] = (2, 7)  # walk length range before the closing focus
     tips_per_prompt: tuple[int, int] = (1, 3)
     irrelevant_rate: float = 0.25  # share of tip blocks whose tips come from other instances
     wrong_rate: float = 0.15  # share of tip blocks whose tips move a key thing to a wrong room
-    epochs: float = 2.0
-    version: int = 1
+    epochs: float = 4.0
+    version: int = 2
 
 
 @dataclass

@@ -39,7 +39,9 @@ def builder(data):
 def test_every_episode_is_of_a_dev_variation_and_gold_paths_win(data):
     cat = catalogue()
     dev = {(t, v) for t in cat.tasks() for v in cat.split(t, "dev")}
-    assert len(data) == len(dev)  # one house per in-distribution dev instance here
+    # every in-distribution dev instance, in houses_per_variation house draws
+    assert len(data) == SMALL.houses_per_variation * len(dev)
+    assert {(gold.family, gold.variation) for gold, _ in data} == dev
     for gold, exps in data:
         assert (gold.family, gold.variation) in dev and gold.family not in cat.ood_tasks
         assert gold.score == 100
