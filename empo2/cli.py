@@ -69,15 +69,16 @@ def _interruptible(run, cfg, overrides: list[str]):
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
         return run()
-    except Interrupted:
-        name = cfg.run_name or os.environ.get("EMPO2_RUN_NAME")
-        ckpt = _last_checkpoint(Path(cfg.run_root).expanduser() / name) if name else None
+    except Interrupted as e:
+        run_dir = getattr(e, "run_dir", None)  # set by train() once the run folder exists
+        ckpt = _last_checkpoint(run_dir) if run_dir is not None else None
         print("\ninterrupted", file=sys.stderr)
         if ckpt is None:
             print("  no iteration finished: nothing to resume", file=sys.stderr)
             raise SystemExit(130) from None
         path, iteration = ckpt
         kept = [o for o in overrides if not o.startswith(("run_name=", "resume="))]
+        name = run_dir.relative_to(Path(cfg.run_root).expanduser()).as_posix()
         command = " ".join(["empo2 train", *kept, f"run_name={name}", "resume=auto"])
         print(f"  last finished iteration {iteration}, checkpoint {path}\n  resume with: {command}", file=sys.stderr)
         raise SystemExit(130) from None

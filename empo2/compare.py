@@ -23,8 +23,10 @@ import numpy as np
 
 from empo2.config import ConfigError
 
-DEFAULT_METRICS = ("val/score_nomem", "val/success_nomem", "val/score_mem", "val/success_mem", "rollout/score",
-                   "rollout/success", "rollout/return")
+# scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
+# EMPO² with GRPO like for like
+DEFAULT_METRICS = ("val/score_nomem", "val/success_nomem", "val/score_mem", "val/success_mem",
+                   "val_train/score_nomem", "rollout/score", "rollout/success", "rollout/ext_return")
 STUDY_ROLE = ("empo2.role", "study")
 
 

@@ -16,6 +16,7 @@ import torch
 
 from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, TrainConfig, to_dict
 from empo2.envs import TaskSpec, get_catalogue, make_env
+from empo2.errors import Interrupted
 from empo2.models import load_policy
 from empo2.utils import atomic_write_json, make_run_dir, seed_everything
 
@@ -178,22 +179,39 @@ def state_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+# (panel title, y label, y range or None, metrics): score and success on their fixed scales; the return
+# panel keeps the extrinsic part and the novelty bonus apart, so a curve never mixes the two units
+CURVE_PANELS = (
+    ("Score", "score (0-100)", (0, 100), ("val/score_nomem", "val/score_mem", "val_train/score_nomem",
+                                          "rollout/score", "rollout/score_memory", "rollout/score_tipfree")),
+    ("Success", "success rate", (0, 1), ("val/success_nomem", "val/success_mem", "val_train/success_nomem",
+                                         "rollout/success")),
+    ("Return", "return per episode", None, ("rollout/ext_return", "rollout/intrinsic_return")),
+)
+
+
 def plot_curves(history: list[dict], path: Path) -> None:
+    """learning_curve.png: one panel per CURVE_PANELS entry against the iteration (-1: before training)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    keys = ["rollout/return", "rollout/success", "rollout/score", "val/score_nomem", "val/score_mem"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for key in keys:
-        pts = [(h["iteration"], h[key]) for h in history if key in h]
-        if pts:
-            ax = axes[0] if key.endswith("score") or "score_" in key else axes[1]
-            ax.plot(*zip(*pts), marker="o", label=key)
-    for ax in axes:
+    fig, axes = plt.subplots(1, len(CURVE_PANELS), figsize=(15, 4))
+    for ax, (title, ylabel, ylim, keys) in zip(axes, CURVE_PANELS):
+        for key in keys:
+            pts = [(h["iteration"], h[key]) for h in history if key in h]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
+        ax.set_title(title)
         ax.set_xlabel("iteration")
-        ax.legend(fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ylim:
+            ax.set_ylim(ylim[0] - 0.02 * ylim[1], ylim[1] * 1.02)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -221,7 +239,10 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     seed_everything(cfg.seed)
     model, tok = load_policy(cfg.model)  # before the run folder: a model that cannot load leaves none behind
     run_dir = make_run_dir(cfg.run_root, run_name)
-    os.environ["EMPO2_RUN_NAME"] = run_dir.name  # DDP worker processes rerun this and must find the same folder
+    # DDP worker processes rerun this and must find the same folder; the caller's value comes back after
+    # the fit, so a second train() in the same process does not write into this run's folder
+    outer_run_name = os.environ.get("EMPO2_RUN_NAME")
+    os.environ["EMPO2_RUN_NAME"] = run_name or run_dir.name
     val_tasks = validation_tasks(cfg)
     train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []
     t = cfg.trainer
@@ -262,9 +283,16 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None,
                     weights_only=True)
+    except Interrupted as e:
+        e.run_dir = run_dir  # the CLI names it in its resume hint
+        raise
     finally:
         for env in collector.envs:
             env.close()
+        if outer_run_name is None:
+            os.environ.pop("EMPO2_RUN_NAME", None)
+        else:
+            os.environ["EMPO2_RUN_NAME"] = outer_run_name
     memory = collector.memory
     if memory is not None and trainer.is_global_zero:
         memory.save(run_dir / "memory")  # the tips the run ends with, for `empo2 eval/adapt`

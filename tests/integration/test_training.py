@@ -183,3 +183,10 @@ def test_resume_auto_without_a_run_name_resumes_the_newest_unfinished_run_or_ref
     resumed = train(load_config(args + ["resume=auto"]))
     assert resumed["run_dir"] == str(tmp_path / "cut")
     assert [h["iteration"] for h in resumed["history"] if "rollout/return" in h] == [0, 1]
+
+
+def test_two_trainings_in_one_process_without_run_names_get_their_own_folders(tmp_path):
+    args = FAST + [f"run_root={tmp_path}", "trainer.iterations=1"]
+    first, second = train(load_config(args)), train(load_config(args))
+    assert first["run_dir"] != second["run_dir"]
+    assert "EMPO2_RUN_NAME" not in __import__("os").environ
