@@ -68,6 +68,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
     # ------------------------------------------------------------------------------------------ API
     @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:
+        metrics = dict(metrics)
+        if "epoch" in metrics:  # Lightning's own epoch-level logs: filed under the iteration (= epoch), not
+            step = int(metrics.pop("epoch"))  # the optimiser step, so they share the rollout metrics' axis
         stamp = int(time.time() * 1000)
         rows = [[k, float(v), stamp, int(step or 0)] for k, v in self._clean(metrics).items()]
         if rows:

@@ -43,6 +43,7 @@ class EMPO2Module(L.LightningModule):
         self.consecutive_skips = 0
         self._totals: dict[str, float] = {}  # metrics of the current mini-batch, weighted by token share
         self.progress: dict[str, float] = {}  # latest rollout numbers, shown in the progress bar
+        self.last_step: dict[str, float] = {}  # actor/* of the latest optimiser step (MLflow gets iteration means)
 
     # ------------------------------------------------------------------------------------ log-probs
     def response_logprobs(self, batch: dict[str, torch.Tensor], model=None,
@@ -158,7 +159,7 @@ class EMPO2Module(L.LightningModule):
             opt.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             self.consecutive_skips += 1
-            self.log("train/skipped_steps", float(self.skipped_steps))
+            self._log_per_iteration({"train/skipped_steps": float(self.skipped_steps)}, "max")
             if self.consecutive_skips >= self.tcfg.max_nonfinite_steps:
                 # Saved here, while every rank still takes part (all of them skip the same steps), for
                 # post-mortem inspection; kept out of checkpoints/ so `resume=auto` restarts from the last
@@ -173,10 +174,16 @@ class EMPO2Module(L.LightningModule):
         self._set_lr(opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        self.log_dict({f"actor/{k}": v for k, v in totals.items()}, on_step=True)
-        self.log_dict({"actor/grad_norm": grad_norm, "train/lr": opt.param_groups[0]["lr"],
-                       "train/skipped_steps": float(self.skipped_steps)}, on_step=True)
-        self.log_dict(self.progress, prog_bar=True, on_step=True)
+        self.last_step = {f"actor/{k}": float(v) for k, v in totals.items()}
+        self._log_per_iteration(self.last_step)
+        self._log_per_iteration({"actor/grad_norm": grad_norm, "train/lr": opt.param_groups[0]["lr"]})
+        self._log_per_iteration({"train/skipped_steps": float(self.skipped_steps)}, "max")
+        self.log_dict(self.progress, prog_bar=True, on_step=True, logger=False)  # the bar only: no copies in MLflow
+
+    def _log_per_iteration(self, metrics: dict, reduce_fx: str = "mean") -> None:
+        """One value per iteration (over its optimiser steps, each weighing the same), logged at the
+        iteration like every rollout and validation metric, so all curves share one x-axis."""
+        self.log_dict(metrics, on_step=False, on_epoch=True, reduce_fx=reduce_fx, batch_size=1)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -276,12 +276,12 @@ class PoisonWeights(L.Callback):
 
 
 class SkippedSteps(L.Callback):
-    """The `train/skipped_steps` metric as the loggers receive it, after every micro-batch."""
+    """The `train/skipped_steps` metric as the loggers receive it, once per iteration."""
 
     def __init__(self):
         self.values = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_epoch_end(self, trainer, pl_module):
         self.values.append(float(trainer.callback_metrics.get("train/skipped_steps", 0.0)))
 
 

@@ -132,6 +132,11 @@ def test_validation_before_training_logs_the_baseline_at_iteration_minus_one(tmp
     steps = [(m.step, m.value) for m in client.get_metric_history(summary["mlflow_run_id"], "train/env_steps")]
     assert steps[0] == (-1, 0.0) and steps[1][0] == 0 and steps[1][1] > 0
     assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "val/score_nomem")] == [-1, 0]
+    # one x-axis: the update's metrics are one value per iteration, at the iteration; no progress-bar copies
+    logged = client.get_run(summary["mlflow_run_id"]).data.metrics
+    assert not {"return", "success", "mem", "epoch"} & set(logged)
+    for key in ("actor/loss", "actor/grad_norm", "train/lr"):
+        assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], key)] == [0], key
     resumed = train(load_config(FAST + [f"run_root={tmp_path}", "run_name=v", "logger=mlflow",
                                         "trainer.iterations=2", "trainer.val_before_train=true", "resume=auto"]))
     assert [h["iteration"] for h in resumed["history"] if "val/score_nomem" in h] == [-1, 0, 1]  # baseline once
