@@ -154,6 +154,24 @@ def check_tracking(cfg: TrainConfig) -> None:
                           f"(start the tracking server, fix the URI, or use logger=none)") from None
 
 
+def source_version() -> dict[str, str]:
+    """`git_commit` (with `-dirty` when the checkout has uncommitted changes) of the code that runs, when it
+    runs from a git checkout; nothing otherwise (an installed wheel)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return {}
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {"git_commit": commit + ("-dirty" if dirty else "")} if commit else {}
+
+
 def _logger(cfg: TrainConfig, run_dir: Path):
     if cfg.logger.name == "none":
         return None
@@ -161,7 +179,10 @@ def _logger(cfg: TrainConfig, run_dir: Path):
 
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if id_file.is_file() else None  # resume continues the same run
-    tags = {"preset": cfg.experiment} if cfg.experiment else {}
+    tags = {"algo": cfg.algo.name, "env": cfg.env.name, "model": cfg.model.name, "seed": str(cfg.seed),
+            **source_version()}
+    if cfg.experiment:
+        tags["preset"] = cfg.experiment
     tags.update({str(k): str(v) for k, v in cfg.logger.tags.items()})
     return ResilientMLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=tracking_uri(cfg),
                                  run_id=run_id, run_name=run_dir.name, tags=tags or None,

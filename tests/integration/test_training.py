@@ -156,6 +156,11 @@ def test_a_plain_train_run_uploads_its_config_and_files_to_mlflow(tmp_path):
     client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["algo.p"] == "0.5" and run.data.params["model.name"] == "tiny"
+    tags = run.data.tags
+    assert (tags["algo"], tags["env"], tags["model"], tags["seed"]) == ("empo2", "minisci", "tiny", "0")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if head:  # a git checkout: the commit that ran
+        assert tags["git_commit"].removesuffix("-dirty") == head
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"learning_curve.png", "summary.json"}
 
 
