@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="empo2",
         description="EMPO²: memory-augmented exploration with hybrid on/off-policy RL for LLM agents.",
     )
+    parser.add_argument("--verbose", action="store_true", help="keep the libraries' own INFO output")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -246,6 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_libraries() -> None:
+    """Library chatter off at its source: Lightning's INFO lines (accelerator banner, adverts, "`max_epochs`
+    reached") and its own deprecation notices, transformers' info and weight-loading bars, MLflow's INFO.
+    Their other warnings and errors stay."""
+    import logging
+    import warnings
+
+    # Lightning resets the level of `lightning.pytorch` when imported; its INFO lines come from the
+    # rank_zero child loggers, whose level it leaves alone
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "mlflow",
+                 "alembic", "transformers", "sentence_transformers", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning on torch 2.13
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # resume
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -254,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    if not args.verbose:
+        quiet_libraries()
     from empo2.errors import NonFiniteLossError
 
     try:

@@ -94,7 +94,7 @@ class MicroBatch:
 
 
 def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int, micro_per_mini: int | None,
-               generator: torch.Generator) -> list[list[MicroBatch]]:
+               generator: torch.Generator, sizes: list[int] | None = None) -> list[list[MicroBatch]]:
     """The mini-batches of one PPO epoch over samples with these response lengths: one shuffle, split into
     `num_mini_batches` parts whose sizes differ by at most one, so every sample counts exactly once per
     epoch (a rank with fewer samples than its peers gets smaller mini-batches, never repeated ones).
@@ -102,6 +102,11 @@ def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int,
     With `micro_per_mini` set (data parallelism) every mini-batch has exactly that many micro-batches, and a
     rank with fewer samples than mini-batches still takes part in each step: missing micro-batches are
     zero-weight repeats of one sample, contributing a zero gradient to the all-reduce.
+
+    With `sizes` (padded length of each sample: prompt + response tokens) a mini-batch is cut into
+    micro-batches in order of size, so each micro-batch pads to a length close to its own samples'. What a
+    mini-batch holds, and so its gradient (the loss is normalised per mini-batch, not per micro-batch), is
+    the same either way; only the padding shrinks.
     """
     n = len(lengths)
     order = torch.randperm(n, generator=generator).tolist()
@@ -109,6 +114,8 @@ def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int,
     for k in range(num_mini_batches):  # part k: the same split as numpy's array_split
         lo, hi = k * n // num_mini_batches, (k + 1) * n // num_mini_batches
         mini = order[lo:hi]
+        if sizes is not None:
+            mini = sorted(mini, key=lambda i: sizes[i])  # stable: ties keep the shuffled order
         micros = [mini[m:m + micro_batch_size] for m in range(0, len(mini), micro_batch_size)]
         weights = [1.0] * len(micros)
         if micro_per_mini is not None:
@@ -142,9 +149,10 @@ class _MicroBatchStream(IterableDataset):
         if not buf.samples or buf.num_mini_batches == 0:
             return
         lengths = [len(s.response_ids) for s in buf.samples]
+        sizes = [len(s.train_ids) + len(s.response_ids) for s in buf.samples]  # what the update pads to
         for epoch in range(self.ppo_epochs):
             g = torch.Generator().manual_seed(derive_seed(self.seed, buf.iteration, epoch, self.rank))
-            for mini in plan_epoch(lengths, buf.num_mini_batches, self.micro, buf.micro_per_mini, g):
+            for mini in plan_epoch(lengths, buf.num_mini_batches, self.micro, buf.micro_per_mini, g, sizes):
                 yield from mini
 
 

@@ -180,7 +180,9 @@ def test_sweep_runs_land_on_the_tracking_server_nested_with_params_metrics_and_c
                 "--storage", team_sweep["url"], "--group-by", "trial", "--out", out, timeout=180)
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert len((out / "trials_team.csv").read_text().splitlines()) == 1 + 4
-    assert (out / "compare.md").is_file() and (out / "curve_rollout_return.png").read_bytes()[:4] == b"\x89PNG"
+    # the default metrics: scores and the extrinsic return, not the bonus-inflated return
+    assert (out / "compare.md").is_file() and (out / "curve_rollout_ext_return.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "curve_rollout_return.png").exists()
 
 
 def test_grid_and_train_runs_land_on_the_tracking_server_and_compare_reads_them(tracking, tmp_path):

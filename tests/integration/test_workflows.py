@@ -331,3 +331,15 @@ def test_ctrl_c_reports_the_last_iteration_and_the_resume_command_and_exits_130(
     assert again.returncode == 0, again.stdout + again.stderr
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert [h["iteration"] for h in summary["history"] if "rollout/return" in h] == [0, 1, 2]
+
+
+def test_the_console_of_a_run_is_ours_only(tmp_path):
+    proc = empo2("train", *FAST, "trainer.iterations=1", f"run_root={tmp_path}", "run_name=q")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout + proc.stderr
+    for chatter in ("GPU available", "TPU available", "litlogger", "Loading weights", "INFO mlflow",
+                    "max_epochs=", "Creating initial MLflow"):
+        assert chatter not in text, chatter
+    assert "== empo2 run finished ==" in text
+    verbose = empo2("--verbose", "train", *FAST, "trainer.iterations=1", f"run_root={tmp_path}", "run_name=v")
+    assert "GPU available" in verbose.stdout + verbose.stderr  # --verbose brings the libraries back
