@@ -247,12 +247,13 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     run_name = resume_run_name(cfg)
     check_tracking(cfg)
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from empo2.lit.callbacks import RolloutCallback
     from empo2.lit.checkpoint_io import AtomicCheckpointIO, remove_torn_writes
     from empo2.lit.data import RolloutDataModule
     from empo2.lit.module import EMPO2Module
+    from empo2.lit.progress import IterationProgressBar
     from empo2.lit.strategy import build_strategy
 
     if cfg.torch_threads:
@@ -283,7 +284,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
                               save_top_k=-1, save_last=True, save_on_train_epoch_end=True)
     logger = _logger(cfg, run_dir)
-    progress = RichProgressBar(leave=True)  # shows iteration (epoch), return, success and memory size
+    progress = IterationProgressBar()  # iteration k/N, return, success, memory size; a line per iteration
     trainer = L.Trainer(
         max_epochs=t.iterations, accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=build_strategy(cfg, model), precision=t.precision,
