@@ -125,12 +125,20 @@ def print_report(summary: dict) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from empo2.config import CONF_DIR, group_options
     from empo2.models import preset_status
 
-    rows = preset_status()
+    # the `model=` option that selects each preset (conf/model/<option>.yaml names it)
+    option = {}
+    for opt in group_options("model"):
+        name = OmegaConf.load(CONF_DIR / "model" / f"{opt}.yaml").get("name")
+        option.setdefault(name, opt)
+    rows = [(f"model={option.get(name, name)}", status, f"{desc} [{name}]") for name, status, desc in preset_status()]
     width = max(len(r[0]) for r in rows)
-    for name, status, desc in rows:
-        print(f"{name:<{width}}  {desc}\n{'':<{width}}  -> {status}")
+    for label, status, desc in rows:
+        print(f"{label:<{width}}  {desc}\n{'':<{width}}  -> {status}")
     return 0
 
 

@@ -343,3 +343,14 @@ def test_the_console_of_a_run_is_ours_only(tmp_path):
     assert "== empo2 run finished ==" in text
     verbose = empo2("--verbose", "train", *FAST, "trainer.iterations=1", f"run_root={tmp_path}", "run_name=v")
     assert "GPU available" in verbose.stdout + verbose.stderr  # --verbose brings the libraries back
+
+
+def test_models_lists_each_preset_under_the_option_that_selects_it():
+    proc = empo2("models", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    labels = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("model=")]
+    assert {"model=smollm2", "model=tiny", "model=minisci_tips", "model=qwen2.5-7b"} <= set(labels)
+    for label in labels:  # each one is a working override naming that preset
+        name = proc.stdout.split(label, 1)[1].split("\n", 1)[0].rsplit("[", 1)[1].rstrip("]")
+        overrides = [label] + (["model.path=/tmp"] if label == "model=hf" else [])
+        assert load_config(overrides).model.name == name
