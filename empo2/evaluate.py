@@ -203,10 +203,14 @@ def evaluate(cfg: TrainConfig, ckpt: Path, memory: str = "both", split: str = "t
             env.close()
     out = Path(out or run_dir_of(ckpt) / "eval")
     report = {"checkpoint": str(ckpt), "split": split, "rollouts": rollouts, "modes": results, "config": to_dict(cfg)}
-    head = ["task"] + [f"{col} ({m})" for m in modes for col in ("score", "success")]
-    rows = [[t] + [f"{results[m]['per_task'][t][c]:.3g}" for m in modes for c in ("score", "success")]
-            for t in results[modes[0]]["per_task"]]
-    rows.append(["**all**"] + [f"{results[m][c]:.3g}" for m in modes for c in ("score", "success")])
+    # every mode plays the same episodes per task, so one count per row says what each cell averages
+    head = ["task", "episodes"] + [f"{col} ({m})" for m in modes for col in ("score", "success")]
+    first = results[modes[0]]
+    rows = [[t, str(first["per_task"][t]["episodes"])]
+            + [f"{results[m]['per_task'][t][c]:.3g}" for m in modes for c in ("score", "success")]
+            for t in first["per_task"]]
+    rows.append(["**all**", str(first["episodes"])]
+                + [f"{results[m][c]:.3g}" for m in modes for c in ("score", "success")])
     return _write(out, f"eval_{split}", report, _table(head, rows))
 
 
@@ -237,9 +241,9 @@ def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: st
     out = Path(out or (run_dir_of(ckpt) if ckpt is not None else Path(cfg.run_root)) / "adapt")
     report = {"checkpoint": str(ckpt) if ckpt else None, "split": split, "rollouts": rollouts,
               "tasks": sorted({t.task for t in task_specs}), "trials": per_trial, "config": to_dict(cfg)}
-    rows = [[str(t["trial"]), f"{t['score']:.3g}", f"{t['success']:.3g}", f"{t['tips_retrieved']:.3g}",
-             str(t["memory_size"])] for t in per_trial]
-    head = ["trial", "score", "success", "tips retrieved / episode", "tips in memory"]
+    rows = [[str(t["trial"]), str(t["episodes"]), f"{t['score']:.3g}", f"{t['success']:.3g}",
+             f"{t['tips_retrieved']:.3g}", str(t["memory_size"])] for t in per_trial]
+    head = ["trial", "episodes", "score", "success", "tips retrieved / episode", "tips in memory"]
     result = _write(out, "adapt", report, _table(head, rows))
     result["curve"] = str(_plot_trials(per_trial, out / "adapt_curve.png"))
     return result

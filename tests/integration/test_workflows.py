@@ -129,6 +129,7 @@ def test_eval_scores_a_checkpoint_per_task_with_and_without_memory(grid):
         assert all(0 <= t["score"] <= 100 and 0 <= t["success"] <= 1 for t in res["per_task"].values())
     table = (out / "eval_test.md").read_text()
     assert "score (nomem)" in table and "success (mem)" in table and "**all**" in table
+    assert table.startswith("| task | episodes |") and f"| **all** | {len(tasks)} |" in table
 
 
 def test_adapt_accumulates_tips_over_trials_without_training(grid):
@@ -144,7 +145,9 @@ def test_adapt_accumulates_tips_over_trials_without_training(grid):
     assert trials[0]["memory_size"] < trials[1]["memory_size"] < trials[2]["memory_size"]
     saved = json.loads((out / "adapt.json").read_text())
     assert saved["trials"] == json.loads(json.dumps(trials))
-    assert (out / "adapt_curve.png").read_bytes()[:4] == b"\x89PNG" and "| 3 |" in (out / "adapt.md").read_text()
+    assert (out / "adapt_curve.png").read_bytes()[:4] == b"\x89PNG"
+    lines = (out / "adapt.md").read_text().splitlines()
+    assert lines[0].startswith("| trial | episodes |") and lines[-1].startswith(f"| 3 | {trials[2]['episodes']} |")
 
 
 SWEEP = {
