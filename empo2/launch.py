@@ -143,7 +143,7 @@ def _flat(config: dict, prefix: str = ""):
 
 def log_run_files(summary: dict) -> None:
     """Onto a finished run's MLflow run: its resolved config as params (`algo.p`, `trainer.lr`, ...; keys
-    already logged are left alone) and its learning curve and summary.json as artifacts, so a shared
+    already logged are left alone) and its learning curve, config.yaml and summary.json as artifacts, so a shared
     tracking server holds them and not only the node that ran it. Best effort: a tracking server that
     is away is said once, and everything stays in the run folder."""
     import json
@@ -164,7 +164,7 @@ def log_run_files(summary: dict) -> None:
                       for k, v in _flat(summary.get("config") or {}) if k not in known]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
                 client.log_batch(run_id, params=params[i:i + 100])
-            for path in (summary.get("plot"), summary.get("summary_path")):
+            for path in (summary.get("plot"), summary.get("config_file"), summary.get("summary_path")):
                 if path and Path(path).is_file():
                     client.log_artifact(run_id, path)
     except Exception as e:

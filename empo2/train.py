@@ -18,7 +18,7 @@ from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, TrainConfig, to_dict
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.errors import Interrupted
 from empo2.models import load_policy
-from empo2.utils import atomic_write_json, make_run_dir, seed_everything
+from empo2.utils import atomic_write_bytes, atomic_write_json, make_run_dir, seed_everything
 
 
 def env_kwargs(cfg: TrainConfig) -> dict:
@@ -329,15 +329,20 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     for h in history:
         final.update({k: v for k, v in h.items() if k != "iteration"})
     final["time/total_s"] = time.time() - t0
-    plot_path = run_dir / "learning_curve.png"
+    plot_path, config_path = run_dir / "learning_curve.png", run_dir / "config.yaml"
     if trainer.is_global_zero:
+        from omegaconf import OmegaConf
+
         plot_curves(history, plot_path)
+        # the resolved config, readable beside the run (and an MLflow artifact)
+        atomic_write_bytes(config_path, OmegaConf.to_yaml(to_dict(cfg)).encode())
     last = ckpt_dir / "last.ckpt"
     summary = {"metrics": final, "history": history, "config": to_dict(cfg),
                "checkpoint": str(last) if last.is_file() else None,
                "mlflow_run_id": logger.run_id if logger is not None else None,
                "mlflow_tracking_uri": logger._tracking_uri if logger is not None else None,
-               "run_dir": str(run_dir), "plot": str(plot_path), "summary_path": str(run_dir / "summary.json")}
+               "run_dir": str(run_dir), "plot": str(plot_path), "config_file": str(config_path),
+               "summary_path": str(run_dir / "summary.json")}
     if trainer.is_global_zero:
         atomic_write_json(summary["summary_path"], summary)
     return summary

@@ -161,7 +161,11 @@ def test_a_plain_train_run_uploads_its_config_and_files_to_mlflow(tmp_path):
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     if head:  # a git checkout: the commit that ran
         assert tags["git_commit"].removesuffix("-dirty") == head
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"learning_curve.png", "summary.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"learning_curve.png", "summary.json",
+                                                                        "config.yaml"}
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "p" / "config.yaml").read_text()) == summary["config"]
 
 
 def test_validation_on_the_training_instances_scores_the_variations_the_run_trains_on(tmp_path):
