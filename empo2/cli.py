@@ -187,7 +187,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-
     from empo2.compare import compare
 
     uri = args.tracking_uri or f"sqlite:///{Path(args.run_root).expanduser().resolve() / 'mlflow.db'}"

@@ -398,10 +398,10 @@ def _unknown_key(key: str) -> str:
     *path, name = key.split(".")
     cls: type = TrainConfig
     for part in path:
-        sub = next((f for f in dataclasses.fields(cls) if f.name == part), None)
-        if sub is None or not dataclasses.is_dataclass(getattr(cls(), part)):
+        section = getattr(cls(), part, None)
+        if not dataclasses.is_dataclass(section):
             break
-        cls = type(getattr(cls(), part))
+        cls = type(section)
     group = ".".join(path)
     close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(cls)], n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(f'{group}.{c}' if group else c for c in close)}?" if close else ""

@@ -307,6 +307,7 @@ def _close_parent(spec: SweepSpec, run_id: str, result: dict) -> None:
                 client.set_tag(run_id, f"best.{key}", str(value))
         client.set_terminated(run_id)
     except Exception as e:  # the tracking server went away: the study and best.yaml are stored regardless
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        print(f"the study's MLflow parent run {run_id} was not updated ({reason}); the study and best.yaml "
+        from empo2.tracking import first_line
+
+        print(f"the study's MLflow parent run {run_id} was not updated ({first_line(e)}); the study and best.yaml "
               "are stored, and the next `empo2 sweep` of this study updates it")

@@ -284,7 +284,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
                               save_top_k=-1, save_last=True, save_on_train_epoch_end=True)
     logger = _logger(cfg, run_dir)
-    progress = IterationProgressBar()  # iteration k/N, return, success, memory size; a line per iteration
+    progress = IterationProgressBar(rollout_cb)  # iteration k/N, return, success, memory size; a line per iteration
     trainer = L.Trainer(
         max_epochs=t.iterations, accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=build_strategy(cfg, model), precision=t.precision,

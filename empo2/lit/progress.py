@@ -30,8 +30,9 @@ def eta_line(iteration: int, iterations: int, done_this_fit: int, elapsed: float
 class IterationProgressBar(RichProgressBar):
     """Rich's bar with `iteration k/N` (1-based) instead of `Epoch k/N-1`, and a line per iteration."""
 
-    def __init__(self):
+    def __init__(self, rollout):
         super().__init__(leave=True)
+        self.rollout = rollout  # the RolloutCallback whose history holds each iteration's numbers
         self._t0: float | None = None
         self._done = 0
 
@@ -47,9 +48,8 @@ class IterationProgressBar(RichProgressBar):
         if not trainer.is_global_zero or self._t0 is None:
             return
         self._done += 1
-        rollout = next((cb for cb in trainer.callbacks if hasattr(cb, "history")), None)
         stats: dict = {}
-        for h in (rollout.history if rollout else []):  # this iteration's rollout and validation numbers
+        for h in self.rollout.history:  # this iteration's rollout and validation numbers
             if h.get("iteration") == trainer.current_epoch:
                 stats.update(h)
         line = eta_line(trainer.current_epoch, trainer.max_epochs, self._done, time.monotonic() - self._t0, stats)
