@@ -160,6 +160,14 @@ class RolloutConfig:
                                 "(released code), so later prompts and the tip request carry every tip the "
                                 "episode saw; off-policy samples drop all of them. False (paper): only the "
                                 "current turn carries tips; prompts stay shorter.")
+    generation_logprobs: bool = opt(True, "Take the behaviour (old) log-probs of the update from `generate`, which "
+                                    "already computed softmax(logits / temperature) at every sampled token, instead "
+                                    "of a second forward pass over the same prompts. Used only where that is the "
+                                    "distribution the trainer scores: `engine.name=hf` (the policy module itself) "
+                                    "and `trainer.precision=32-true`; elsewhere the pass runs. The two agree to "
+                                    "float32 rounding (a KV-cached decode step sums in another order, as batches of "
+                                    "another shape do; tests bound it by 1e-5); false keeps the pass, whose first "
+                                    "on-policy ratio is 1 to the bit at micro_batch_size 1.")
 
 
 # ---------------------------------------------------------------------------------------------- memory

@@ -61,6 +61,13 @@ def episode_step_bound(cfg: TrainConfig, env) -> int:
     return max(100, *(budget(t) for t in tasks))
 
 
+def generation_logprobs_exact(cfg: TrainConfig) -> bool:
+    """Whether `generate` samples from exactly the distribution the update scores as the behaviour policy:
+    the HF engine runs on the policy module itself (same weights), outside any autocast, so only a 32-bit
+    update scores in the same precision; the temperature is the rollout's on both sides."""
+    return cfg.rollout.generation_logprobs and cfg.engine.name == "hf" and cfg.trainer.precision == "32-true"
+
+
 def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
     from empo2.memory import Embedder, TipMemory
     from empo2.rollout.collector import CollectorSettings, RolloutCollector
@@ -86,7 +93,8 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
         max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
         per_step_entries=cfg.memory.per_step_entries, step_entry_key=cfg.memory.step_entry_key,
-        key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history)
+        key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
+        record_logprobs=generation_logprobs_exact(cfg))
     specials = list(getattr(tokenizer, "all_special_tokens", []))
     return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
 

@@ -3,7 +3,8 @@
 The update is the paper's, read top to bottom in `training_step` (one micro-batch per call): score
 the response under the *training* prompt (tip-free for off-policy samples), build the loss mask (the
 low-probability mask on off-policy tokens), compute the dual-clip PPO loss against the old log-probs
-(computed once per iteration on the *behaviour* prompt, before any update) and accumulate gradients;
+(of the *behaviour* prompt before any update of the iteration: recorded by `generate` where exact, else
+scored once per iteration) and accumulate gradients;
 after the last micro-batch of a mini-batch, clip and step — unless the loss or gradient is not
 finite, in which case the step is skipped and counted.
 """
@@ -83,10 +84,19 @@ class EMPO2Module(L.LightningModule):
         with self.policy.disable_adapter():
             return self.response_logprobs(batch)
 
-    @torch.no_grad()
     def old_logprobs(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
-        """Behaviour log-probs with the current weights, before any update of this iteration, scored at the
-        rollout temperature in the update's precision context."""
+        """Behaviour log-probs with the current weights, before any update of this iteration, (T_i,) float32
+        per sample: those `generate` recorded (`StepSample.behaviour_logprobs`, only where they are exactly the
+        distribution scored here), else scored by `score_behaviour`."""
+        todo = [i for i, s in enumerate(samples) if s.behaviour_logprobs is None]
+        scored = dict(zip(todo, self.score_behaviour([samples[i] for i in todo], micro_batch_size)))
+        return [scored[i] if i in scored else torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+                for i, s in enumerate(samples)]
+
+    @torch.no_grad()
+    def score_behaviour(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
+        """The responses scored on their behaviour prompts by a forward pass, at the rollout temperature in the
+        update's precision context."""
         was_training = self.policy.training
         self.policy.eval()
         rows: list[torch.Tensor] = []

@@ -75,6 +75,9 @@ class CollectorSettings:
     key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
     tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     write_tips: bool = True
+    # training steps keep generate's log-probs as their behaviour log-probs; only for an engine that samples
+    # from the trainer's own weights in the trainer's precision (`empo2.train.build_collector` decides)
+    record_logprobs: bool = False
 
 
 class RolloutCollector:
@@ -124,7 +127,8 @@ class RolloutCollector:
             obs.append(o)
         timing["env"] += time.perf_counter() - t0
         live = list(range(n_traj))
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                logprobs=s.record_logprobs and not evaluate)
         tokens_generated = 0
 
         for t in range(s.max_episode_steps):
@@ -163,7 +167,7 @@ class RolloutCollector:
                     behaviour_ids=prompt.ids,
                     train_ids=prompt.without_tips() if offpolicy else prompt.ids,
                     response_ids=gen.token_ids, memory=prompt.has_tips, offpolicy=offpolicy,
-                    group_id=traj.group_id, traj_id=traj.traj_id, step=t))
+                    group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs))
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
                 res = envs[i].step(gen.text)
                 traj.ext_return += res.reward

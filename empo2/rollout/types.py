@@ -22,6 +22,9 @@ class StepSample:
     traj_id: int
     step: int
     advantage: float = 0.0
+    # log pi_T(response token) recorded by `generate` when it is exactly the distribution the trainer scores
+    # (see `CollectorSettings.record_logprobs`); None: the trainer scores the behaviour prompt itself
+    behaviour_logprobs: list[float] | None = None
 
 
 @dataclass

@@ -109,6 +109,32 @@ def test_old_logprobs_are_the_sampling_distribution_at_the_rollout_temperature(p
     assert (at_t1 - sampled).abs().max() > 1e-3  # scoring at T = 1 would judge another distribution
 
 
+def test_generation_logprobs_are_the_scoring_pass_to_float_rounding(policy):
+    """Real rollouts, half of them memory-augmented and updated off-policy, sampled with top-p 0.8 at
+    temperature 0.7: the log-probs `generate` recorded are those a separate pass scores on the *behaviour*
+    prompt (tips included) over the whole vocabulary, to float32 rounding, and they are what the update uses."""
+    from empo2.memory import Embedder
+
+    from .test_collector import collect, fill_memory, make_collector
+
+    model, tok = policy
+    collector = make_collector(policy, Embedder(), p=0.5, q=1.0, min_sim=-1.0, temperature=0.7, top_p=0.8,
+                               record_logprobs=True)
+    fill_memory(collector)
+    samples = collect(collector).samples
+    assert any(s.offpolicy for s in samples) and not all(s.offpolicy for s in samples)
+    cfg = load_config(["model=tiny"])
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples), temperature=0.7)
+    recorded = [torch.tensor(s.behaviour_logprobs) for s in samples]
+    assert [len(r) for r in recorded] == [len(s.response_ids) for s in samples]
+    scored = module.score_behaviour(samples, 4)
+    worst = max(float((r - p).abs().max()) for r, p in zip(recorded, scored))
+    assert worst <= 1e-5
+    assert all(torch.equal(o, r) for o, r in zip(module.old_logprobs(samples, 4), recorded))
+    at_t1 = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples)).score_behaviour(samples, 4)
+    assert max(float((r - p).abs().max()) for r, p in zip(recorded, at_t1)) > 1e-3  # the check can fail
+
+
 class FirstStep(L.Callback):
     """The actor metrics of the first optimiser step of the run."""
 
@@ -120,20 +146,53 @@ class FirstStep(L.Callback):
             self.metrics = dict(pl_module.last_step)
 
 
-@pytest.mark.parametrize("overrides", [["trainer.precision=bf16-mixed"], ["rollout.temperature=0.7"]],
+@pytest.mark.parametrize("overrides", [["trainer.precision=bf16-mixed"],
+                                       ["rollout.temperature=0.7", "rollout.generation_logprobs=false"]],
                          ids=["bf16-mixed", "temperature-0.7"])
-def test_first_mini_batch_ratio_is_exactly_one_on_policy(tmp_path, overrides):
+def test_first_mini_batch_ratio_is_exactly_one_on_policy(tmp_path, overrides, monkeypatch):
     """Old and new log-probs of on-policy samples under the same weights, precision and temperature: the
-    first step's ratio is 1 and its KL 0, to the bit (one sample per micro-batch, so shapes match too)."""
+    first step's ratio is 1 and its KL 0, to the bit (one sample per micro-batch, so shapes match too).
+    bf16-mixed keeps the scoring pass although generation log-probs are on by default: `generate` runs
+    outside the autocast, so its log-probs are not the update's."""
+    scored = _count_scored(monkeypatch)
     rec = FirstStep()
     cfg = load_config(FAST + overrides + ["algo.p=0", "trainer.iterations=1", "trainer.mini_batch_size=64",
                                           "trainer.micro_batch_size=1", f"run_root={tmp_path}", "run_name=r"])
     train(cfg, callbacks=[rec])
-    assert rec.metrics is not None
+    assert rec.metrics is not None and scored[0] > 0
     # every token's ratio is exactly 1; the mini-batch mean weighs micro-batches by token share in float64,
     # which can leave one ulp (a precision or temperature mismatch moves it by 1e-4 or more)
     assert rec.metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-12)
     assert rec.metrics["actor/approx_kl"] == 0.0
+    assert rec.metrics["actor/clip_frac"] == 0.0
+
+
+def _count_scored(monkeypatch) -> list[int]:
+    """[samples the update scored on their behaviour prompts itself], counted around the real pass."""
+    count = [0]
+    real = EMPO2Module.score_behaviour
+
+    def counted(self, samples, micro_batch_size):
+        count[0] += len(samples)
+        return real(self, samples, micro_batch_size)
+
+    monkeypatch.setattr(EMPO2Module, "score_behaviour", counted)
+    return count
+
+
+def test_first_ratio_with_generation_logprobs_is_one_to_float_rounding(tmp_path, monkeypatch):
+    """The default: behaviour log-probs come from `generate` (no scoring pass), and differ from the update's
+    own scores only by float32 rounding, far inside the clip range (a temperature mismatch moves the ratio
+    by 1e-2 or more, see the test above)."""
+    scored = _count_scored(monkeypatch)
+    rec = FirstStep()
+    cfg = load_config(FAST + ["rollout.temperature=0.7", "algo.p=0", "trainer.iterations=1",
+                              "trainer.mini_batch_size=64", "trainer.micro_batch_size=1", f"run_root={tmp_path}",
+                              "run_name=r"])
+    train(cfg, callbacks=[rec])
+    assert rec.metrics is not None and scored[0] == 0
+    assert rec.metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert 0.0 <= rec.metrics["actor/approx_kl"] < 1e-10
     assert rec.metrics["actor/clip_frac"] == 0.0
 
 

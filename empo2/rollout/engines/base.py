@@ -17,12 +17,15 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy decoding; top_p is the nucleus mass (1 keeps the whole distribution)."""
+    """temperature 0 means greedy decoding; top_p is the nucleus mass (1 keeps the whole distribution).
+    logprobs: also return each response token's log-prob under softmax(logits / temperature) over the whole
+    vocabulary (the distribution the trainer scores; top_p does not truncate it), where the engine can."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
     stop_at_newline: bool = True
+    logprobs: bool = False
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -31,6 +34,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs and self.temperature == 0:
+            raise ValueError("logprobs need a sampling temperature > 0 (greedy decoding has no distribution)")
 
 
 @dataclass
@@ -38,11 +43,13 @@ class Generation:
     """token_ids: the sampled response, stop token included when there is one (at most max_new_tokens ids).
     text: the response without its stop token (cut at its first newline when stopping at newlines), stripped.
     finished: the response ended with a stop token (EOS, or a newline token when stopping at newlines)
-    rather than running into max_new_tokens."""
+    rather than running into max_new_tokens.
+    logprobs: with `SamplingParams.logprobs`, one float32 log-prob per entry of token_ids; None otherwise."""
 
     token_ids: list[int]
     text: str
     finished: bool
+    logprobs: list[float] | None = None
 
 
 @runtime_checkable
@@ -97,8 +104,10 @@ class StopTokens:
             table = self._tables[device] = table.to(device)
         return table
 
-    def finish(self, ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Cuts raw sampled ids after the first stop token (padding or overrun after it goes) and decodes."""
+    def finish(self, ids: Sequence[int], params: SamplingParams,
+               logprobs: Sequence[float] | None = None) -> Generation:
+        """Cuts raw sampled ids (and their log-probs, if given) after the first stop token (padding or overrun
+        after it goes) and decodes."""
         ids = list(ids[:params.max_new_tokens])
         stops = self.stop_ids(params.stop_at_newline)
         end = next((j + 1 for j, t in enumerate(ids) if t in stops), None)
@@ -109,4 +118,5 @@ class StopTokens:
         text = self.tokenizer.decode(body, skip_special_tokens=True)
         if params.stop_at_newline:
             text = text.split("\n", 1)[0]  # the newline token may carry text before its "\n" ("look.\n")
-        return Generation(token_ids=ids, text=text.strip(), finished=finished)
+        kept = None if logprobs is None else list(logprobs[:len(ids)])
+        return Generation(token_ids=ids, text=text.strip(), finished=finished, logprobs=kept)

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterable
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
@@ -23,6 +23,45 @@ class _StopAtNewline(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         return self.table[input_ids[:, -1]]  # (B,)
+
+
+class _TokenLogprobs:
+    """Each sampled token's log-prob under softmax(logits / temperature), gathered during `generate`.
+
+    `generate` runs its processors on the step's raw float32 logits (before its own temperature and top-p
+    warpers), samples, appends the token, then asks the stopping criteria: the processor keeps the step's
+    log-softmax, the criterion picks the sampled token's entry, so only one (B, V) table lives at a time.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []  # per generated position, (B,) float32
+        self._logp: torch.Tensor | None = None  # (B, V) of the step in flight
+        self.processor, self.criterion = _Keep(self), _Gather(self)
+
+    def rows(self) -> list[list[float]]:
+        return torch.stack(self.steps, 1).tolist() if self.steps else []  # (B, T)
+
+
+class _Keep(LogitsProcessor):
+    def __init__(self, rec: _TokenLogprobs):
+        self.rec = rec
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # the trainer's arithmetic (`EMPO2Module.response_logprobs`): float32 logits / T, then log-softmax
+        self.rec._logp = torch.log_softmax(scores.float() / self.rec.temperature, dim=-1)
+        return scores
+
+
+class _Gather(StoppingCriteria):
+    def __init__(self, rec: _TokenLogprobs):
+        self.rec = rec
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        rec = self.rec
+        rec.steps.append(rec._logp.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        rec._logp = None
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 @contextlib.contextmanager
@@ -74,27 +113,33 @@ class HFEngine:
             with _seeded(seed, device), torch.inference_mode():
                 for start in range(0, len(order), self.max_batch_size):
                     chunk = order[start:start + self.max_batch_size]
-                    rows = self._generate_chunk([prompts[i] for i in chunk], params, device)
-                    for i, row in zip(chunk, rows):
-                        results[i] = self.stops.finish(row, params)
+                    rows, logps = self._generate_chunk([prompts[i] for i in chunk], params, device)
+                    for j, (i, row) in enumerate(zip(chunk, rows)):
+                        results[i] = self.stops.finish(row, params, logps[j] if logps else None)
         finally:
             for module, mode in modes:
                 module.training = mode
         return results  # type: ignore[return-value]
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
-                        device: torch.device) -> list[list[int]]:
+                        device: torch.device) -> tuple[list[list[int]], list[list[float]] | None]:
         width = max(len(p) for p in prompts)
         padded = [[self.pad_id] * (width - len(p)) + list(p) for p in prompts]
         mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
         input_ids = torch.tensor(padded, dtype=torch.long, device=device)  # (B, L) left-padded
         attention_mask = torch.tensor(mask, dtype=torch.long, device=device)  # (B, L)
-        criteria = None
+        criteria, processors = StoppingCriteriaList(), LogitsProcessorList()
         if params.stop_at_newline:
-            criteria = StoppingCriteriaList([_StopAtNewline(self.stops.newline_table(device))])
+            criteria.append(_StopAtNewline(self.stops.newline_table(device)))
+        rec = _TokenLogprobs(params.temperature) if params.logprobs else None
+        if rec is not None:
+            processors.append(rec.processor)
+            criteria.append(rec.criterion)
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                  generation_config=self._generation_config(params), stopping_criteria=criteria)
-        return out[:, width:].tolist()  # (B, T) with T <= max_new_tokens, pad after a row's stop
+                                  generation_config=self._generation_config(params), stopping_criteria=criteria,
+                                  logits_processor=processors)
+        # (B, T) with T <= max_new_tokens, pad after a row's stop; log-probs (B, T) alike
+        return out[:, width:].tolist(), (rec.rows() if rec is not None else None)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         # Fields left None are filled from the checkpoint's generation config, so the neutral values are
