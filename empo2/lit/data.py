@@ -84,13 +84,15 @@ class MicroBatch:
     `last` set. `num_tokens` and `num_seqs` are the valid response tokens and the responses of the whole
     mini-batch, known before any micro-batch runs: the loss normalises by them, so the micro-batch losses
     add up to the mini-batch loss however the mini-batch is split. `weight` is 0 for the padding
-    micro-batches that only keep ranks in step (their gradient is exactly zero), else 1."""
+    micro-batches that only keep ranks in step (their gradient is exactly zero), else 1. `closes_iteration`
+    marks the iteration's last micro-batch: the module logs the iteration's metrics once, after it."""
 
     indices: list[int]
     num_tokens: int
     num_seqs: int
     last: bool
     weight: float = 1.0
+    closes_iteration: bool = False
 
 
 def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int, micro_per_mini: int | None,
@@ -150,10 +152,13 @@ class _MicroBatchStream(IterableDataset):
             return
         lengths = [len(s.response_ids) for s in buf.samples]
         sizes = [len(s.train_ids) + len(s.response_ids) for s in buf.samples]  # what the update pads to
-        for epoch in range(self.ppo_epochs):
+        micros: list[MicroBatch] = []
+        for epoch in range(self.ppo_epochs):  # each epoch's plan has its own seed: planned up front, it is the same
             g = torch.Generator().manual_seed(derive_seed(self.seed, buf.iteration, epoch, self.rank))
             for mini in plan_epoch(lengths, buf.num_mini_batches, self.micro, buf.micro_per_mini, g, sizes):
-                yield from mini
+                micros += mini
+        micros[-1].closes_iteration = True
+        yield from micros
 
 
 def step_counts(busiest: int, world_size: int, mini_batch_size: int, micro_batch_size: int) -> tuple[int, int | None]:

@@ -196,6 +196,36 @@ def test_first_ratio_with_generation_logprobs_is_one_to_float_rounding(tmp_path,
     assert rec.metrics["actor/clip_frac"] == 0.0
 
 
+class StepMeans(L.Callback):
+    """Each optimiser step's actor metrics, and what the loggers receive per iteration."""
+
+    def __init__(self):
+        self.steps, self.logged = [], []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.steps.append([])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch.last:
+            self.steps[-1].append(dict(pl_module.last_step))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def test_each_iteration_logs_the_mean_of_its_optimiser_steps(tmp_path):
+    """Metrics reach the loggers once per iteration: the mean over its optimiser steps, each weighing the same."""
+    rec = StepMeans()
+    train(load_config(FAST + ["trainer.mini_batch_size=3", f"run_root={tmp_path}", "run_name=r"]), callbacks=[rec])
+    assert len(rec.logged) == 2
+    for steps, logged in zip(rec.steps, rec.logged):
+        assert len(steps) >= 2  # a mean of several steps
+        for key in ("actor/loss", "actor/ratio_mean", "actor/clip_frac", "actor/approx_kl"):
+            mean = sum(s[key] for s in steps) / len(steps)
+            assert logged[key] == pytest.approx(mean, rel=1e-6, abs=1e-9), key
+        assert logged["train/skipped_steps"] == 0.0 and logged["train/lr"] > 0
+
+
 class OwnWeightsEngine(HFEngine):
     """An engine that, like vLLM, samples from its own copy of the weights, and records the weights each
     `generate` call and each sync saw."""
