@@ -332,3 +332,34 @@ def test_full_named_tensors_gathers_sharded_policies():
         p.join(timeout=120)
     assert all(p.exitcode == 0 for p in procs)
     assert sorted(results.get(timeout=5) for _ in procs) == [(0, [True, True]), (1, [True, True])]
+
+
+def test_identical_prompts_share_one_prefill_and_sample_as_a_plain_generate(policy, prompts):
+    """A chunk with repeated prompts (a group's first step) prefills each distinct prompt once, and still draws
+    exactly what one `model.generate` over the whole padded chunk draws with the same seed: the same
+    tokens, and the same log-probs to float32 rounding."""
+    model, tok = policy
+    engine = HFEngine(model, tok)
+    chunk = [prompts[2]] + [prompts[3]] * 3 + [prompts[4]] * 2  # sorted by length: the engine keeps this order
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_at_newline=False, logprobs=True)
+    passes = []
+    handle = model.get_decoder().register_forward_hook(lambda m, a, out: passes.append(out.last_hidden_state.shape))
+    try:
+        gens = engine.generate(chunk, params, seed=5)
+    finally:
+        handle.remove()
+    assert passes[0][:2] == (3, len(prompts[4]) - 1)  # the prefill: three distinct prompts, all but the last token
+    assert all(shape[:2] == (6, 1) for shape in passes[1:])  # then one token per row per pass
+    width = len(prompts[4])
+    ids = torch.tensor([[engine.pad_id] * (width - len(p)) + p for p in chunk])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+    config = engine._generation_config(params)
+    config.output_logits = config.return_dict_in_generate = True
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    for row, gen in enumerate(gens):
+        assert gen.token_ids == out.sequences[row, width:].tolist()
+        plain = [float(torch.log_softmax(step[row], -1)[t]) for step, t in zip(out.logits, gen.token_ids)]
+        assert gen.logprobs == pytest.approx(plain, abs=1e-5)
+    assert len({tuple(g.token_ids) for g in gens[:3]}) > 1  # copies of one prompt still sample their own responses

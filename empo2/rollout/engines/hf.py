@@ -82,7 +82,8 @@ def _seeded(seed: int | None, device: torch.device):
 
 
 class HFEngine:
-    """Batched `model.generate` with left padding, in chunks of at most max_batch_size prompts.
+    """Batched `model.generate` with left padding, in chunks of at most max_batch_size prompts; identical
+    prompts in a chunk share one prefill.
 
     Sampling is plain softmax(logits / temperature) with top-p: every other logits processor a
     checkpoint's generation config may carry (top-k, repetition penalty, ...) is switched off, since
@@ -137,9 +138,28 @@ class HFEngine:
             criteria.append(rec.criterion)
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                   generation_config=self._generation_config(params), stopping_criteria=criteria,
-                                  logits_processor=processors)
+                                  logits_processor=processors, past_key_values=self._shared_prefill(prompts, input_ids,
+                                                                                                    attention_mask))
         # (B, T) with T <= max_new_tokens, pad after a row's stop; log-probs (B, T) alike
         return out[:, width:].tolist(), (rec.rows() if rec is not None else None)
+
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """The KV cache of every row's prompt but its last token, computed once per distinct prompt (a group's
+        rollouts all start from the same one), or None when the prompts are all distinct. `generate` then
+        runs only the last prompt token and the new ones; every row still samples its own response."""
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> its distinct prompt
+        if len(first) == len(prompts) or input_ids.shape[1] < 2:
+            return None
+        keep = torch.tensor([rows.index(u) for u in range(len(first))], device=input_ids.device)
+        ids, mask = input_ids[keep, :-1], attention_mask[keep, :-1]
+        # generate's own position ids for left padding: real tokens count from 0, padding is masked anyway
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # the decoder alone: no logits are wanted here (and the LM head runs once per sampled token, as without)
+        cache = self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                         use_cache=True).past_key_values
+        cache.batch_select_indices(torch.tensor(rows, device=input_ids.device))  # (distinct, ...) -> (B, ...)
+        return cache
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         # Fields left None are filled from the checkpoint's generation config, so the neutral values are
