@@ -229,6 +229,10 @@ class TrainerConfig:
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
     mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)
     micro_batch_size: int = opt(4, "Samples per forward/backward (gradient accumulation up to the mini-batch).", gt=0)
+    gradient_checkpointing: bool = opt(False, "Recompute each decoder layer's activations in the backward pass "
+                                       "instead of keeping them from the forward: the update's activation memory "
+                                       "shrinks to about one layer's, for one more forward per micro-batch "
+                                       "(benchmarks/experiment_throughput.py measures both). Same gradients.")
     lr: float = opt(1e-6, "AdamW learning rate (paper 1e-6 for 7B; small models tolerate more).", gt=0)
     lr_schedule: str = opt("constant", "`constant` or `cosine` after warm-up.", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "Linear warm-up optimiser steps.", ge=0)

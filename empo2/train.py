@@ -283,6 +283,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
 
         ref_policy = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
+    if t.gradient_checkpointing:  # non-reentrant: no input that requires grad is needed (frozen embeddings, LoRA)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy,
                          temperature=cfg.rollout.temperature)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))

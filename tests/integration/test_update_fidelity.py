@@ -41,6 +41,31 @@ def _samples(vocab: int, n: int = 9) -> list[StepSample]:
     return out
 
 
+def test_gradient_checkpointing_gives_the_same_gradient(policy):
+    """Activations recomputed in the backward pass instead of kept: the same loss and gradient, to the bit."""
+    model, tok = policy
+    cfg = load_config(["model=tiny", "algo.kl_coef=0"])
+    samples = _samples(model.config.vocab_size)
+    micro = plan_epoch([len(s.response_ids) for s in samples], 1, len(samples), None,
+                       torch.Generator().manual_seed(0))[0][0]
+    grads = []
+    for checkpointing in (False, True):
+        policy_copy = copy.deepcopy(model).train()
+        if checkpointing:
+            policy_copy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recomputed: list[int] = []
+        handle = policy_copy.get_decoder().layers[0].register_forward_pre_hook(lambda *a, out=recomputed: out.append(1))
+        module = EMPO2Module(policy_copy, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+        module.buffer.old_logprobs = module.old_logprobs(samples, 4)
+        recomputed.clear()
+        loss, _, _ = module.micro_batch_loss(micro)
+        loss.backward()
+        handle.remove()
+        assert len(recomputed) == (2 if checkpointing else 1)  # the layer ran again in the backward pass
+        grads.append({n: p.grad for n, p in policy_copy.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
 @pytest.mark.parametrize("agg", core_algos.AGG_MODES)
 def test_mini_batch_gradient_does_not_depend_on_the_micro_batch_split(policy, agg):
     model, tok = policy
