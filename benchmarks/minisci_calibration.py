@@ -34,12 +34,14 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
 from empo2.models import load_policy
+from empo2.stats import bootstrap_ci
 from empo2.train import build_collector, env_kwargs
 
 
@@ -96,7 +98,8 @@ def play_policy(cfg, model, tok, tasks, group_size: int, seed: int) -> dict:
 
 
 def tip_is_true(tip: str | None, true_rooms: dict[str, str]) -> bool:
-    """The tip places at least one task-relevant thing, and every relevant thing it places is where it is."""
+    """The tip places at least one thing the house hides (`Task.sought`), and every such thing it places is
+    where it is."""
     if not tip:
         return False
     claims = {thing: room for thing, room in true_rooms.items() if f"{thing} in the " in tip}
@@ -111,16 +114,16 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
     from empo2.memory import TipMemory
 
     collector = build_collector(cfg, model, tok, len(tasks))
-    curve, success, wrong_focus, truths, t0 = [], [], [], [], time.perf_counter()
+    scores, success, wrong_focus, truths, t0 = [], [], [], [], time.perf_counter()
     difficulty = Difficulty(**{f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
     true_rooms = []
     for spec in tasks:
         world, task = build(spec.task, spec.variation, difficulty)
-        true_rooms.append({thing: world.room_of(thing) for thing in task.key_things})
+        true_rooms.append({thing: world.room_of(thing) for thing in task.sought})
     for r in range(rounds):
         batch = collector.collect(tasks, 1, iteration=r, generator=torch.Generator().manual_seed(seed + r))
         trs = batch.trajectories
-        curve.append(statistics.fmean(tr.score for tr in trs))
+        scores.append([tr.score for tr in trs])
         success.append(statistics.fmean(tr.won for tr in trs))
         wrong_focus.append(statistics.fmean(tr.length < cfg.env.max_steps and not tr.won for tr in trs))
         truths += [tip_is_true(tr.tip, rooms) for tr, rooms in zip(trs, true_rooms)]
@@ -138,11 +141,36 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
             foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
     collector.memory, collector.settings.write_tips = foreign, False
     batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
-    return {"episodes": len(tasks) * rounds, "score_by_round": curve, "success_by_round": success,
+    return {"episodes": len(tasks) * rounds, "score_by_round": [statistics.fmean(r) for r in scores],
+            "scores": scores, "irrelevant_scores": [tr.score for tr in batch.trajectories],
+            "success_by_round": success,
             "wrong_focus_by_round": wrong_focus, "tip_truth": statistics.fmean(truths) if truths else 0.0,
             "irrelevant_tips_score": batch.stats["rollout/score"],
             "memory_frac_irrelevant": batch.stats["rollout/memory_frac"],
             "seconds": time.perf_counter() - t0}
+
+
+def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
+    """The prior's targets on one family, with paired bootstrap intervals over instances: tip-free success
+    (find-living-thing <= 25%), own tips after 2 episodes >= 2x the tip-free score, irrelevant tips within 10%
+    of tip-free (the interval of the relative change must lie inside [-10%, +10%])."""
+    scores = np.array(res["scores"], dtype=float).T  # (instances, rounds)
+    tip_free = scores[:, 0]
+    out = {"tip_free": bootstrap_ci(tip_free, seed=seed)}
+    if scores.shape[1] > 2:
+        pair = np.stack([tip_free, scores[:, 2]], axis=1)  # (instances, 2)
+        out["after_2"] = bootstrap_ci(scores[:, 2], seed=seed)
+        # the ratio of means; with a tip-free mean of 0 any gain is an infinite ratio
+        out["ratio_after_2"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() / max(d[:, 0].mean(), 1e-9),
+                                            seed=seed)
+        out["doubles"] = bool(scores[:, 2].mean() >= 2 * tip_free.mean() and scores[:, 2].mean() > 0)
+    irr = np.stack([tip_free, np.array(res["irrelevant_scores"], dtype=float)], axis=1)
+    out["irrelevant_change"] = bootstrap_ci(irr, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
+    bound = 0.1 * max(tip_free.mean(), 1e-9)
+    out["irrelevant_within_10pct"] = bool(abs(irr[:, 1].mean() - tip_free.mean()) <= bound)
+    if family == "find-living-thing":
+        out["trap_holds"] = bool(res["success_by_round"][0] <= 0.25)
+    return out
 
 
 def main_memory(args) -> None:
@@ -154,23 +182,32 @@ def main_memory(args) -> None:
     cat = get_catalogue("minisci")
     rows = []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
-          "tips true | irrelevant tips |")
+          "after 2 / tip-free | tips true | irrelevant tips (change) |\n|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         cfg = load_config(base + parse_setting(setting))
         for family in args.families:
             tasks = cat.sample(args.groups, "train", seed=args.seed, tasks=[family])
             res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed, args.show)
+            res["verdicts"] = v = memory_verdicts(res, family, args.seed)
             rows.append({"setting": setting or "default", "family": family, **res})
             c = res["score_by_round"]
             after = " / ".join(f"{c[k]:.1f}" if k < len(c) else "-" for k in (1, 2, 4))
-            print(f"| {setting or 'default'} | {family} | {c[0]:.1f} | {res['success_by_round'][0]:.2f} | "
-                  f"{res['wrong_focus_by_round'][0]:.2f} | {after} | {res['tip_truth']:.2f} | "
-                  f"{res['irrelevant_tips_score']:.1f} |", flush=True)
+            ratio = "-" if "ratio_after_2" not in v else ci_text(v["ratio_after_2"], "x")
+            print(f"| {setting or 'default'} | {family} | {ci_text(v['tip_free'])} | "
+                  f"{res['success_by_round'][0]:.2f} | "
+                  f"{res['wrong_focus_by_round'][0]:.2f} | {after} | {ratio} | {res['tip_truth']:.2f} | "
+                  f"{res['irrelevant_tips_score']:.1f} ({ci_text(v['irrelevant_change'], signed=True)}) |",
+                  flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "threads": args.threads, "args": vars(args),
                                "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    print(f"intervals: 95% paired bootstrap over the {args.groups} instances of a family\nwrote {out}")
+
+
+def ci_text(ci: tuple[float, float, float], unit: str = "", signed: bool = False) -> str:
+    fmt = "{:+.1f}" if signed else "{:.1f}"
+    return f"{fmt.format(ci[0])}{unit} [{fmt.format(ci[1])}, {fmt.format(ci[2])}]"
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import statistics
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from empo2.prior import HISTORY_TURNS, MAX_PROMPT_TOKENS, MAX_REQUEST_TOKENS, _batch, cache_dir
+from empo2.prior import HISTORY_TURNS, MAX_PROMPT_TOKENS, MAX_REQUEST_TOKENS, _batch, ready_path
 from empo2.prior_tips import TIP_FREE, TIP_REQUEST, WITH_TIPS, TipPriorSettings, dev_episodes, tip_examples
 from empo2.rollout.prompts import PromptBuilder
 
@@ -24,9 +24,9 @@ from empo2.rollout.prompts import PromptBuilder
 def main(per_kind: int = 96, batch: int = 16) -> None:
     torch.set_num_threads(2)
     settings = TipPriorSettings()
-    path = cache_dir(settings, "minisci-tips")
-    if not (path / "empo2_source.json").is_file():
-        raise SystemExit(f"no cached minisci-tips at {path}: build it first (any run with model=minisci_tips)")
+    path = ready_path("minisci-tips", settings)
+    if path is None:
+        raise SystemExit("no minisci-tips with the current settings: build it first (any run with model=minisci_tips)")
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     builder = PromptBuilder(tok, max_prompt_tokens=MAX_PROMPT_TOKENS, history_turns=HISTORY_TURNS,

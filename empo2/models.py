@@ -259,12 +259,12 @@ def preset_status() -> list[tuple[str, str, str]]:
         if name == "tiny":
             status = "available (built locally)"
         elif name in ("minisci-bc", "minisci-tips"):
-            from empo2.prior import cache_dir
+            from empo2.prior import SHIPPED, BCSettings, ready_path
             from empo2.prior_tips import TipPriorSettings
 
-            settings = TipPriorSettings() if name == "minisci-tips" else None
-            cached = (cache_dir(settings, name) / "empo2_source.json").is_file()
-            status = "available (cached)" if cached else "available (built on first use, about 8-15 min on 2 cores)"
+            ready = ready_path(name, TipPriorSettings() if name == "minisci-tips" else BCSettings())
+            status = ("available (built on first use, about 8-40 min on 2 cores)" if ready is None else
+                      "available (shipped)" if ready.parent == SHIPPED else "available (cached)")
         elif name == "smollm2-135m-instruct":
             try:
                 smollm2_gguf_path()

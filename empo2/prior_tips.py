@@ -55,10 +55,11 @@ class TipPriorSettings(BCSettings):
     explorers_per_house: int = 2  # exploration episodes per (instance, house): the tips' sources
     explorer_steps: tuple[int, int] = (2, 7)  # walk length range before the closing focus
     tips_per_prompt: tuple[int, int] = (1, 3)
-    irrelevant_rate: float = 0.25  # share of tip blocks whose tips come from other instances
-    wrong_rate: float = 0.15  # share of tip blocks whose tips move a key thing to a wrong room
-    epochs: float = 4.0
-    version: int = 2
+    irrelevant_rate: float = 0.2  # share of gold-step tip blocks whose tips come from another family
+    misled_rate: float = 0.5  # chance per (instance, house) of a misled episode (a wrong tip, followed)
+    request_repeats: int = 2  # each tip request counts this many times per epoch (its one line is the hardest)
+    epochs: float = 2.5
+    version: int = 3
 
 
 @dataclass
@@ -71,17 +72,17 @@ class Episode:
     task: str
     turns: list[tuple[str, str]]  # (observation, action)
     final_obs: str
-    sightings: dict[str, str]  # key thing -> room where the episode first saw it (where it lay)
+    sightings: dict[str, str]  # sought thing -> room where the episode first saw it (where it lay)
     visited: list[str]  # rooms in the order first entered
     failed_focus: str | None
     score: int
 
 
 def hindsight_tip(ep: Episode) -> str:
-    """The one-line tip an episode supports: only what its own observations showed."""
+    """The one-line tip an episode supports: where it saw what the house hides, the focus that failed, the
+    score; only what its own observations showed."""
     seen = ", ".join(f"{thing} in the {room}" for thing, room in sorted(ep.sightings.items()))
-    parts = [f"Seen: {seen}." if seen else "Seen: nothing the task needs.",
-             f"Visited: {', '.join(ep.visited)}."]
+    parts = [f"Seen: {seen}." if seen else "Seen: nothing the task needs."]
     if ep.failed_focus:
         parts.append(f"Focusing on the {ep.failed_focus} failed.")
     parts.append(f"Final score {ep.score}.")
@@ -93,7 +94,7 @@ def _record(env, ep: Episode) -> None:
     world, task = env._world, env._task
     if world.location not in ep.visited:
         ep.visited.append(world.location)
-    for thing in task.key_things:
+    for thing in task.sought:
         if thing not in ep.sightings and world.visible(thing):
             room = world.room_of(thing)
             ep.sightings[thing] = world.location if room == "inventory" else room
@@ -144,9 +145,43 @@ def explorer(rng: random.Random, steps: int):
     return act
 
 
-def dev_episodes(settings: TipPriorSettings) -> list[tuple[Episode, list[Episode]]]:
-    """(gold episode, its exploration episodes) for every in-distribution dev instance and house draw."""
+def misled(room: str):
+    """A tip reader told that what it seeks is in `room`: it goes there first and, not finding it there,
+    follows the gold plan from where it stands (what trusting a wrong tip costs, and how to recover)."""
+    from empo2.envs.minisci.layout import Planner
+
+    actions: list[str] = []
+
+    def act(env, step: int) -> str | None:
+        if step == 0:
+            plan = Planner(env._world)
+            plan.go(room)
+            actions.extend(plan.actions)
+        if step == len(actions):  # arrived: plan the rest on the world as it now is
+            actions.extend(env._task.gold(env._world))
+        return actions[step] if step < len(actions) else None
+
+    return act
+
+
+@dataclass
+class Instance:
+    """One dev instance in one house: its gold episode, exploration episodes and (maybe) a misled one."""
+
+    gold: Episode
+    explorers: list[Episode]
+    misled: Episode | None = None
+    wrong_tip: str | None = None  # the tip that misled it: the gold tip with a sought thing moved
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [self.gold, *self.explorers, *([self.misled] if self.misled else [])]
+
+
+def dev_episodes(settings: TipPriorSettings) -> list[Instance]:
+    """Gold, exploration and misled episodes of every in-distribution dev instance and house draw."""
     from empo2.envs import make_env
+    from empo2.envs.minisci.layout import HUB
 
     rng = random.Random(settings.seed)
     out = []
@@ -158,22 +193,27 @@ def dev_episodes(settings: TipPriorSettings) -> list[tuple[Episode, list[Episode
             raise RuntimeError(f"the gold path of {family}/{variation} in house {house} does not win")
         explorers = [play(env, family, variation, house, explorer(rng, rng.randint(*settings.explorer_steps)))
                      for _ in range(settings.explorers_per_house)]
-        out.append((gold, explorers))
+        inst = Instance(gold, explorers)
+        if rng.random() < settings.misled_rate:
+            thing = rng.choice(sorted(gold.sightings))
+            rooms = sorted(set(env._world.rooms) - {gold.sightings[thing], HUB})
+            room = rng.choice(rooms)
+            inst.misled = play(env, family, variation, house, misled(room))
+            if inst.misled.score != 100:
+                raise RuntimeError(f"the misled path of {family}/{variation} in house {house} does not win")
+            tip = hindsight_tip(gold)
+            inst.wrong_tip = tip.replace(f"{thing} in the {gold.sightings[thing]}", f"{thing} in the {room}")
+        out.append(inst)
     return out
 
 
-def _wrong(tip: str, ep: Episode, rng: random.Random) -> str:
-    """The tip with one sighting moved to a room where the thing is not."""
-    if not ep.sightings:
-        return tip
-    thing = rng.choice(sorted(ep.sightings))
-    others = [r for r in ep.visited if r != ep.sightings[thing]] or ["hallway"]
-    return tip.replace(f"{thing} in the {ep.sightings[thing]}", f"{thing} in the {rng.choice(others)}")
+def tip_examples(builder, data: list[Instance], settings: TipPriorSettings) -> list[tuple[str, list[int], list[int]]]:
+    """(kind, prompt ids, target ids + end of turn) for the three abilities, all from `builder`.
 
-
-def tip_examples(builder, data: list[tuple[Episode, list[Episode]]], settings: TipPriorSettings
-                 ) -> list[tuple[str, list[int], list[int]]]:
-    """(kind, prompt ids, target ids + end of turn) for the three abilities, all from `builder`."""
+    Acting with tips is labelled with what a reader of those tips does: on the gold path when the tips are
+    the instance's own (true) or another family's (nothing to use), and on the misled path when a tip puts
+    a sought thing in the wrong room, so the action follows what the tip says and no label contradicts it.
+    """
     rng = random.Random(settings.seed + 1)
     tok = builder.tokenizer
     eos = tok.eos_token_id
@@ -181,27 +221,28 @@ def tip_examples(builder, data: list[tuple[Episode, list[Episode]]], settings: T
     def target(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False) + [eos]
 
-    all_tips = [(hindsight_tip(e), e) for _, exps in data for e in exps]
+    tips_by_family: dict[str, list[str]] = {}
+    for inst in data:
+        tips_by_family.setdefault(inst.gold.family, []).extend(hindsight_tip(e) for e in inst.episodes)
     examples = []
-    for gold, exps in data:
-        own = [(hindsight_tip(e), e) for e in exps]
+    for inst in data:
+        gold = inst.gold
+        own = [hindsight_tip(e) for e in (gold, *inst.explorers)]
+        foreign = [t for f, tips in tips_by_family.items() if f != gold.family for t in tips]
         for t, (obs, action) in enumerate(gold.turns):
             history = gold.turns[:t]
             examples.append((TIP_FREE, builder.build(gold.task, history, obs).ids, target(action)))
             k = rng.randint(*settings.tips_per_prompt)
-            u = rng.random()
-            if u < settings.irrelevant_rate:
-                pool = [x for x in rng.sample(all_tips, min(len(all_tips), 8)) if x[1].variation != gold.variation
-                        or x[1].family != gold.family]
-                tips = [text for text, _ in pool[:k]]
-            elif u < settings.irrelevant_rate + settings.wrong_rate:
-                tips = [_wrong(text, e, rng) for text, e in rng.sample(own, min(k, len(own)))]
-            else:
-                tips = [text for text, _ in rng.sample(own, min(k, len(own)))]
-            examples.append((WITH_TIPS, builder.build(gold.task, history, obs, tips or None).ids, target(action)))
-        for ep in [gold, *exps]:
+            pool = foreign if foreign and rng.random() < settings.irrelevant_rate else own
+            tips = rng.sample(pool, min(k, len(pool)))
+            examples.append((WITH_TIPS, builder.build(gold.task, history, obs, tips).ids, target(action)))
+        if inst.misled:
+            for t, (obs, action) in enumerate(inst.misled.turns):
+                prompt = builder.build(gold.task, inst.misled.turns[:t], obs, [inst.wrong_tip])
+                examples.append((WITH_TIPS, prompt.ids, target(action)))
+        for ep in inst.episodes:
             request = builder.build_tip_request(ep.task, ep.turns, ep.final_obs)
-            examples.append((TIP_REQUEST, request, target(hindsight_tip(ep))))
+            examples += [(TIP_REQUEST, request, target(hindsight_tip(ep)))] * settings.request_repeats
     return examples
 
 
@@ -212,9 +253,10 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
     from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT, PromptBuilder
 
     data = dev_episodes(settings)
-    episodes = [e for gold, exps in data for e in (gold, *exps)]
+    episodes = [e for inst in data for e in inst.episodes]
     corpus = [DEFAULT_SYSTEM_PROMPT, tip_request_message()["content"], TIP_HEADER]
     corpus += [e.task for e in episodes] + [hindsight_tip(e) for e in episodes]
+    corpus += [inst.wrong_tip for inst in data if inst.wrong_tip]
     corpus += [text for e in episodes for pair in e.turns for text in pair]
     tok = build_bpe_tokenizer(corpus, settings.vocab_size)
     builder = PromptBuilder(tok, max_prompt_tokens=MAX_PROMPT_TOKENS, history_turns=HISTORY_TURNS,

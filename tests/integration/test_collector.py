@@ -241,3 +241,20 @@ def test_no_query_is_embedded_for_a_namespace_without_tips(policy, embedder):
     assert c.embedder.texts == len(batch.samples) and all(s.memory for s in batch.samples)
     assert batch.stats["rollout/score_memory"] == batch.stats["rollout/score"]
     assert "rollout/score_tipfree" not in batch.stats  # every rollout carried tips
+
+
+def test_every_tip_in_a_prompt_was_written_by_the_policy(policy, embedder):
+    """At run time the memory holds only what the policy wrote: no environment state reaches a prompt
+    through a tip (the priors' hindsight tips exist only in their training data)."""
+    _, tok = policy
+    c = make_collector(policy, embedder, p=1.0, q=0.0, min_sim=-1.0)
+    first = collect(c)
+    written = {tr.tip for tr in first.trajectories if tr.tip is not None}
+    assert written, "the tiny policy wrote no acceptable tip in this seed; pick another"
+    second = collect(c, seed=1, iteration=1)
+    shown = set()
+    for s in second.samples:
+        text = tok.decode(s.behaviour_ids)
+        shown |= {line[len("<tip>"):-len("</tip>")] for line in text.splitlines()
+                  if line.startswith("<tip>") and line.endswith("</tip>")}
+    assert shown and shown <= written

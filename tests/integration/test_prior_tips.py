@@ -1,11 +1,14 @@
 """The `minisci-tips` policy's data: dev variations only, the collector's own prompts (tip blocks as the
 collector formats them, the whole episode in the tip request), hindsight tips that say only what the
-episode's observations showed, and a cache built once."""
+episode's observations showed, actions with tips that follow what the tips say, and a cache built once."""
 
 import pytest
 import torch
 
+from empo2.envs import make_env
 from empo2.envs.minisci import catalogue
+from empo2.envs.minisci.env import build
+from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.models import _load_local, build_bpe_tokenizer
 from empo2.prior_tips import (
@@ -30,8 +33,8 @@ def data():
 
 @pytest.fixture(scope="module")
 def builder(data):
-    texts = [hindsight_tip(e) for gold, exps in data[:20] for e in (gold, *exps)]
-    texts += [t for gold, _ in data[:20] for pair in gold.turns for t in pair]
+    texts = [hindsight_tip(e) for inst in data[:20] for e in inst.episodes]
+    texts += [t for inst in data[:20] for e in inst.episodes for pair in e.turns for t in pair]
     return PromptBuilder(build_bpe_tokenizer(texts, 400), max_prompt_tokens=512, history_turns=2,
                          max_request_tokens=2048)
 
@@ -41,20 +44,25 @@ def test_every_episode_is_of_a_dev_variation_and_gold_paths_win(data):
     dev = {(t, v) for t in cat.tasks() for v in cat.split(t, "dev")}
     # every in-distribution dev instance, in houses_per_variation house draws
     assert len(data) == SMALL.houses_per_variation * len(dev)
-    assert {(gold.family, gold.variation) for gold, _ in data} == dev
-    for gold, exps in data:
+    assert {(inst.gold.family, inst.gold.variation) for inst in data} == dev
+    for inst in data:
+        gold = inst.gold
         assert (gold.family, gold.variation) in dev and gold.family not in cat.ood_tasks
         assert gold.score == 100
-        assert len(exps) == SMALL.explorers_per_house
-        assert all((e.family, e.variation, e.house) == (gold.family, gold.variation, gold.house) for e in exps)
+        assert len(inst.explorers) == SMALL.explorers_per_house
+        assert all((e.family, e.variation, e.house) == (gold.family, gold.variation, gold.house)
+                   for e in inst.episodes)
+    misled = sum(inst.misled is not None for inst in data)
+    assert 0.3 * len(data) < misled < 0.7 * len(data)  # misled_rate 0.5
 
 
 def test_hindsight_tips_state_only_what_the_episode_observed(data):
-    for gold, exps in data[::15]:
-        for ep in (gold, *exps):
+    for inst in data[::15]:
+        for ep in inst.episodes:
             tip = hindsight_tip(ep)
             assert sanitize_tip(tip) == tip  # one clean line, storable as is
             chat = "\n".join(obs for obs, _ in ep.turns) + "\n" + ep.final_obs
+            assert "Visited" not in tip and set(ep.sightings) <= set(_sought(ep))  # what the house hides
             for thing, room in ep.sightings.items():
                 assert f"{thing} in the {room}" in tip
                 assert thing in chat and room in chat  # the chat showed both
@@ -66,28 +74,57 @@ def test_hindsight_tips_state_only_what_the_episode_observed(data):
 def test_examples_are_the_collectors_prompts(data, builder):
     examples = tip_examples(builder, data[:12], SMALL)
     kinds = {k: [e for e in examples if e[0] == k] for k in (TIP_FREE, WITH_TIPS, TIP_REQUEST)}
-    steps = sum(len(gold.turns) for gold, _ in data[:12])
-    assert len(kinds[TIP_FREE]) == len(kinds[WITH_TIPS]) == steps
-    assert len(kinds[TIP_REQUEST]) == 12 * (1 + SMALL.explorers_per_house)
+    gold_steps = sum(len(inst.gold.turns) for inst in data[:12])
+    misled_steps = sum(len(inst.misled.turns) for inst in data[:12] if inst.misled)
+    assert len(kinds[TIP_FREE]) == gold_steps
+    assert len(kinds[WITH_TIPS]) == gold_steps + misled_steps
+    assert len(kinds[TIP_REQUEST]) == SMALL.request_repeats * sum(len(inst.episodes) for inst in data[:12])
     tok = builder.tokenizer
-    gold = data[0][0]
+    gold = data[0].gold
     for t, (obs, action) in enumerate(gold.turns):  # tip-free acting: exactly the collector's prompt
         _, prompt, target = kinds[TIP_FREE][t]
         assert prompt == builder.build(gold.task, gold.turns[:t], obs).ids
         assert target[-1] == tok.eos_token_id and tok.decode(target[:-1]) == action
-    with_tips = 0
     for _, prompt, _ in kinds[WITH_TIPS]:
         text = tok.decode(prompt)
-        if TIP_HEADER in text:
-            with_tips += 1
-            block = text[text.index(TIP_HEADER):text.rindex("</tip>") + len("</tip>\n")]
-            tips = [line[len("<tip>"):-len("</tip>")] for line in block.splitlines()[1:]]
-            assert block == format_tip_block(tips)  # the collector's own block format
-    assert with_tips == len(kinds[WITH_TIPS])
+        block = text[text.index(TIP_HEADER):text.rindex("</tip>") + len("</tip>\n")]
+        tips = [line[len("<tip>"):-len("</tip>")] for line in block.splitlines()[1:]]
+        assert block == format_tip_block(tips)  # the collector's own block format
     _, request, target = kinds[TIP_REQUEST][0]  # the whole episode, whatever history_turns says
     assert request == builder.build_tip_request(gold.task, gold.turns, gold.final_obs)
     assert all(obs.strip() in tok.decode(request) for obs, _ in gold.turns)
     assert tok.decode(target[:-1]) == hindsight_tip(gold)
+
+
+def test_acting_on_a_wrong_tip_follows_it_then_recovers(data, builder):
+    """A misled episode carries a tip that moves one sought thing to another room; its actions head for
+    that room first (the label follows the tip, never contradicts it) and still win from there."""
+    checked = 0
+    for inst in data[:40]:
+        if inst.misled is None:
+            continue
+        gold, misled = inst.gold, inst.misled
+        moved = [(thing, room) for thing, room in gold.sightings.items() if f"{thing} in the {room}" not in
+                 inst.wrong_tip]
+        assert len(moved) == 1
+        thing, true_room = moved[0]
+        told = inst.wrong_tip.split(f"{thing} in the ")[1].split(",")[0].split(".")[0]
+        assert told != true_room and misled.score == 100
+        env = make_env("minisci", max_steps=100, **gold.house)
+        env.reset(task=gold.family, variation=gold.variation)
+        plan = Planner(env._world)
+        plan.go(told)
+        actions = [a for _, a in misled.turns]
+        assert actions[:len(plan.actions)] == plan.actions  # straight to the room the tip names
+        prompt = builder.build(gold.task, [], misled.turns[0][0], [inst.wrong_tip])
+        assert prompt.has_tips and builder.tokenizer.decode(prompt.ids).count(inst.wrong_tip) == 1
+        checked += 1
+    assert checked >= 10
+
+
+def _sought(ep):
+    world, task = build(ep.family, ep.variation, Difficulty(**ep.house))
+    return task.sought
 
 
 def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatch):

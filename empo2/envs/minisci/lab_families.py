@@ -50,7 +50,7 @@ class MeasureTask(Task):
         return world, cls(description, substance, room, above if temp > threshold else below)
 
     def __init__(self, description: str, substance: str, room: str, answer: str) -> None:
-        super().__init__(description, (THERMOMETER, substance))
+        super().__init__(description, (THERMOMETER, substance), sought=(THERMOMETER,))
         self.substance, self.room, self.answer = substance, room, answer
 
     def accepts_focus(self, world: World, name: str) -> bool:
@@ -122,7 +122,7 @@ class MixTask(Task):
         return world, cls(description, tuple(f"{p} paint" for p in PRIMARIES if p in needed), product)
 
     def __init__(self, description: str, paints: tuple[str, ...], product: str) -> None:
-        super().__init__(description, (*paints, BOWL, product))
+        super().__init__(description, (*paints, BOWL, product), sought=(*paints, BOWL))
         self.paints, self.product = paints, product
 
     def accepts_focus(self, world: World, name: str) -> bool:
@@ -213,7 +213,7 @@ class ChangeStateTask(Task):
 
     def __init__(self, description: str, substance: str, goal: str) -> None:
         self.appliance = "freezer" if goal == "freeze" else "stove"
-        super().__init__(description, (substance, self.appliance))
+        super().__init__(description, (substance, self.appliance), sought=(substance,))
         self.substance, self.goal = substance, goal
 
     def accepts_focus(self, world: World, name: str) -> bool:

@@ -74,7 +74,7 @@ class FindTask(Task):
         return world, cls(description, target, box, box_room, obvious)
 
     def __init__(self, description: str, target: str, box: str, box_room: str, obvious_room: str) -> None:
-        super().__init__(description, (target, box))
+        super().__init__(description, (target, box), sought=(target,))
         self.target, self.box, self.box_room = target, box, box_room
         self.obvious_room = obvious_room  # where the look-alikes wait and the target never is
 
@@ -134,7 +134,7 @@ class PowerTask(Task):
         return world, cls(description, component)
 
     def __init__(self, description: str, component: str) -> None:
-        super().__init__(description, (component, BATTERY, *WIRES))
+        super().__init__(description, (component, BATTERY, *WIRES), sought=(BATTERY,))
         self.component = component
 
     def accepts_focus(self, world: World, name: str) -> bool:

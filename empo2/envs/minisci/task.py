@@ -16,9 +16,12 @@ class Task:
     family = ""
     max_steps = 30  # default episode budget of the family
 
-    def __init__(self, description: str, key_things: tuple[str, ...]) -> None:
+    def __init__(self, description: str, key_things: tuple[str, ...], sought: tuple[str, ...] = ()) -> None:
         self.description = description
         self.key_things = key_things  # the things whose state the novelty key tracks
+        # the things the house hides from the agent (placed by `place_key`): what a search must find,
+        # so what a hindsight tip about the house should locate
+        self.sought = sought
 
     @classmethod
     def build(cls, rng: random.Random, difficulty: Difficulty) -> tuple[World, Task]:
