@@ -27,7 +27,7 @@ SUBCOMMANDS = {
     "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N]`",
     "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N]`",
     "compare": "table and learning curves of an MLflow experiment: "
-               "`empo2 compare --experiment NAME [--group-by preset]`",
+               "`empo2 compare --experiment NAME [--group-by preset|trial|TAG]`",
     "models": "list the policy presets and whether each is available on this machine",
     "config": "list the config groups and their options, or every field of one: `empo2 config [GROUP|train]`",
 }
@@ -119,9 +119,17 @@ def print_report(summary: dict) -> None:
     print(f"  summary              {summary['summary_path']}")
     print(f"  checkpoint           {summary['checkpoint']}")
     print(f"  learning curve       {summary['plot']}")
-    if summary.get("mlflow_tracking_uri"):
-        print(f"  MLflow run           {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']}")
-        print(f"  open the MLflow UI:  mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}")
+    uri = summary.get("mlflow_tracking_uri")
+    if uri:
+        from empo2.tracking import ui_link
+
+        print(f"  MLflow run           {summary['mlflow_run_id']} in {uri}")
+        served = uri.startswith(("http://", "https://"))
+        if not served:
+            print(f"  open the MLflow UI:  mlflow ui --backend-store-uri {uri}")
+        link = ui_link(uri if served else "http://127.0.0.1:5000", summary["mlflow_experiment_id"],
+                       summary["mlflow_run_id"])
+        print(f"  {'the run in the UI' if served else 'then':<20} {link}")
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -242,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=_cmd_sweep)
         else:
             p.add_argument("--experiment", required=True, help="MLflow experiment name")
-            p.add_argument("--group-by", default="preset", help="tag or parameter that groups runs (default preset)")
+            p.add_argument("--group-by", help="tag or parameter that groups runs (default: trial for a sweep's "
+                                              "runs, else preset)")
             p.add_argument("--metrics", help="comma-separated metrics (default: validation and rollout scores)")
             p.add_argument("--x", help="metric to plot the curves against instead of the iteration, "
                                        "e.g. train/env_steps")

@@ -1,8 +1,9 @@
 """`empo2 compare`: final metrics and learning curves of an MLflow experiment, grouped (by preset, say).
 
-For every finished run of the experiment it reads the final value of each metric (MLflow's latest,
-which is what the run's summary.json holds as well) and its history, groups the runs by a tag
-(`preset`, `grid`, `trial`, ...) or a logged parameter, and writes:
+For every finished training run of the experiment (eval and adapt runs, tagged `kind`, are left out) it
+reads the final value of each metric (MLflow's latest, which is what the run's summary.json holds as well)
+and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a logged parameter (default:
+`trial` when the runs are a sweep's trials, else `preset`), and writes:
 
 - `compare.md` and `compare.csv`: per group the number of runs and mean ± std (sample std over
   runs, i.e. seeds) of each metric;
@@ -60,10 +61,10 @@ def _group_order(name: str) -> tuple:
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
-def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str = "preset",
+def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str | None = None,
             metrics: list[str] | None = None, storage: str | None = None, x: str | None = None) -> dict:
-    """Write the table, the curves and (for sweeps) the importance plots; returns the table rows
-    and the paths written. `storage` overrides the Optuna storage URL recorded on a study's run.
+    """Write the table, the curves and (for sweeps) the importance plots; returns the table rows, the
+    grouping and the paths written. `storage` overrides the Optuna storage URL recorded on a study's run.
     `x`: a metric logged at every iteration (`train/env_steps`) to plot the curves against instead of
     the iteration, e.g. to compare methods at equal environment steps."""
     client = _client(tracking_uri)
@@ -74,9 +75,12 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str =
     runs = client.search_runs([exp.experiment_id], max_results=50000)
     studies = [r for r in runs if r.data.tags.get(STUDY_ROLE[0]) == STUDY_ROLE[1]]
     study_ids = {r.info.run_id for r in studies}
-    finished = [r for r in runs if r.info.status == "FINISHED" and r.info.run_id not in study_ids and r.data.metrics]
+    finished = [r for r in runs if r.info.status == "FINISHED" and r.info.run_id not in study_ids and r.data.metrics
+                and r.data.tags.get("kind", "train") == "train"]
     if not finished:
         raise ConfigError(f"experiment {experiment!r} has no finished runs with metrics")
+    if group_by is None:  # a sweep's trials share their preset: one row per trial, not one for the whole sweep
+        group_by = "trial" if any("trial" in r.data.tags for r in finished) else "preset"
     groups: dict[str, list] = defaultdict(list)
     for r in finished:
         key = r.data.tags.get(group_by, r.data.params.get(group_by))
@@ -103,7 +107,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str =
     sweep_files = []
     for study_run in studies:
         sweep_files += _study_outputs(study_run, storage, out)
-    return {"rows": rows, "metrics": metrics, "table": str(table_md), "csv": str(table_csv),
+    return {"rows": rows, "metrics": metrics, "group_by": group_by, "table": str(table_md), "csv": str(table_csv),
             "curves": [str(p) for p in curves], "sweep": [str(p) for p in sweep_files], "out": str(out)}
 
 

@@ -11,6 +11,10 @@ per-trial curve is the paper's out-of-distribution result.
 The config is the training run's (summary.json beside the checkpoints) with `key=value` overrides
 on top; a checkpoint without a summary (an interrupted run) is read with the config composed from
 the overrides, as `empo2 train` composes it. Without `ckpt`, `adapt` uses the configured base model.
+
+Each command is also an MLflow run (tag `kind` eval or adapt) in the experiment of the checkpoint's
+training run, else `logger.experiment`: the config and the command's options as params, the training
+run's tags, the scores as metrics (adapt: one step per trial) and the output files as artifacts.
 """
 
 from __future__ import annotations
@@ -184,7 +188,8 @@ def _n_envs(cfg: TrainConfig, tasks: list, rollouts: int) -> int:
 
 def evaluate(cfg: TrainConfig, ckpt: Path, memory: str = "both", split: str = "test", variations: int | None = None,
              rollouts: int = 1, tasks: str | None = None, out: Path | None = None) -> dict:
-    """Score a checkpoint with memory `on`, `off` or `both`; writes eval_<split>.json and .md in `out`."""
+    """Score a checkpoint with memory `on`, `off` or `both`; writes eval_<split>.json and .md in `out` and
+    records them as an MLflow run."""
     from empo2.lit.data import derive_seed
 
     modes = {"on": ["mem"], "off": ["nomem"], "both": ["nomem", "mem"]}.get(memory)
@@ -211,12 +216,19 @@ def evaluate(cfg: TrainConfig, ckpt: Path, memory: str = "both", split: str = "t
             for t in first["per_task"]]
     rows.append(["**all**", str(first["episodes"])]
                 + [f"{results[m][c]:.3g}" for m in modes for c in ("score", "success")])
-    return _write(out, f"eval_{split}", report, _table(head, rows))
+    result = _write(out, f"eval_{split}", report, _table(head, rows))
+    metrics = [row for m in modes for row in _score_metrics("eval", results[m], m, 0)]
+    options = {"memory": memory, "split": split, "variations": variations or cfg.env.val_variations,
+               "rollouts": rollouts, "tasks": ",".join(first["per_task"]), "checkpoint": str(ckpt)}
+    result["mlflow_run_id"] = record_run(cfg, ckpt, "eval", options, metrics,
+                                         [result["json"], result["table"]], f"{run_dir_of(ckpt).name}-eval-{split}")
+    return result
 
 
 def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: str = "test",
           variations: int | None = None, rollouts: int = 1, tasks: str | None = None, out: Path | None = None) -> dict:
-    """K memory-only trials on unseen tasks; writes adapt.json, adapt.md and adapt_curve.png in `out`."""
+    """K memory-only trials on unseen tasks, each beside the same episodes played tip-free; writes adapt.json,
+    adapt.md and adapt_curve.png in `out` and records them as an MLflow run."""
     from empo2.lit.data import derive_seed
 
     cfg.memory.enabled = True  # the memory is the whole point: a run trained without one adapts with a fresh one
@@ -227,14 +239,18 @@ def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: st
     per_trial = []
     try:
         for k in range(1, trials + 1):
-            episodes, new_tips = _play(collector, task_specs, rollouts, k, derive_seed(cfg.seed, 2**23),
-                                       evaluate=False, use_memory=None)
+            seed = derive_seed(cfg.seed, 2**23)
+            episodes, new_tips = _play(collector, task_specs, rollouts, k, seed, evaluate=False, use_memory=None)
+            # the same instances and seeds without tips: what the trial's memory adds, trial by trial
+            tipfree, _ = _play(collector, task_specs, rollouts, k, seed, evaluate=True, use_memory=False)
             for entries in new_tips:
                 collector.memory.add(*entries)
-            per_trial.append({"trial": k, **summarize(episodes), "memory_size": len(collector.memory)})
+            per_trial.append({"trial": k, **summarize(episodes), "memory_size": len(collector.memory),
+                              "nomem": summarize(tipfree)})
             t = per_trial[-1]
-            print(f"trial {k}: score {t['score']:.1f}, success {t['success']:.2f}, "
-                  f"{t['tips_retrieved']:.1f} tips retrieved per episode, {t['memory_size']} in memory")
+            print(f"trial {k}: score {t['score']:.1f} (tip-free {t['nomem']['score']:.1f}), success "
+                  f"{t['success']:.2f} (tip-free {t['nomem']['success']:.2f}), {t['tips_retrieved']:.1f} tips "
+                  f"retrieved per episode, {t['memory_size']} in memory")
     finally:
         for env in collector.envs:
             env.close()
@@ -242,11 +258,84 @@ def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: st
     report = {"checkpoint": str(ckpt) if ckpt else None, "split": split, "rollouts": rollouts,
               "tasks": sorted({t.task for t in task_specs}), "trials": per_trial, "config": to_dict(cfg)}
     rows = [[str(t["trial"]), str(t["episodes"]), f"{t['score']:.3g}", f"{t['success']:.3g}",
-             f"{t['tips_retrieved']:.3g}", str(t["memory_size"])] for t in per_trial]
-    head = ["trial", "episodes", "score", "success", "tips retrieved / episode", "tips in memory"]
+             f"{t['nomem']['score']:.3g}", f"{t['nomem']['success']:.3g}", f"{t['tips_retrieved']:.3g}",
+             str(t["memory_size"])] for t in per_trial]
+    head = ["trial", "episodes", "score", "success", "score (tip-free)", "success (tip-free)",
+            "tips retrieved / episode", "tips in memory"]
     result = _write(out, "adapt", report, _table(head, rows))
     result["curve"] = str(_plot_trials(per_trial, out / "adapt_curve.png"))
+    metrics = []
+    for t in per_trial:
+        k = t["trial"]
+        metrics += [*_score_metrics("adapt", t, "mem", k), *_score_metrics("adapt", t["nomem"], "nomem", k),
+                    ("adapt/tips_retrieved", t["tips_retrieved"], k), ("adapt/memory_size", t["memory_size"], k)]
+    options = {"trials": trials, "split": split, "variations": variations or cfg.env.val_variations,
+               "rollouts": rollouts, "tasks": ",".join(report["tasks"]), "checkpoint": str(ckpt) if ckpt else None}
+    source = run_dir_of(ckpt).name if ckpt is not None else cfg.model.name
+    result["mlflow_run_id"] = record_run(cfg, ckpt, "adapt", options, metrics,
+                                         [result["json"], result["table"], result["curve"]], f"{source}-adapt-{split}")
     return result
+
+
+def _score_metrics(kind: str, summary: dict, mode: str, step: int) -> list[tuple[str, float, int]]:
+    """(key, value, step) of a `summarize` result: `<kind>/score_<mode>`, `<kind>/success_<mode>`, and the
+    same per task, `<kind>/<task>/score_<mode>`."""
+    rows = [(f"{kind}/{c}_{mode}", summary[c], step) for c in ("score", "success")]
+    return rows + [(f"{kind}/{task}/{c}_{mode}", st[c], step) for task, st in summary["per_task"].items()
+                   for c in ("score", "success")]
+
+
+def _source_run(ckpt: Path | None) -> tuple[str | None, str | None]:
+    """(MLflow run id, tracking URI) of the training run a checkpoint comes from, as far as its folder says."""
+    if ckpt is None:
+        return None, None
+    run_dir = run_dir_of(ckpt)
+    if (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return summary.get("mlflow_run_id"), summary.get("mlflow_tracking_uri")
+    id_file = run_dir / "mlflow_run_id.txt"  # an interrupted run
+    return (id_file.read_text().strip() or None, None) if id_file.is_file() else (None, None)
+
+
+def record_run(cfg: TrainConfig, ckpt: Path | None, kind: str, options: dict, metrics: list[tuple[str, float, int]],
+               files: list[str], name: str) -> str | None:
+    """The MLflow run of an eval or adapt (see the module doc); its id, or None with `logger=none` or when
+    the tracking store cannot be reached (said in one line: the files stay where they were written)."""
+    if cfg.logger.name == "none":
+        return None
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from empo2.tracking import experiment_id, first_line, quick_requests, upload
+    from empo2.train import run_tags, tracking_uri
+
+    source_id, source_uri = _source_run(ckpt)
+    # a tracking URI given for this command wins; else the training run's (absolute) one
+    uri = cfg.logger.tracking_uri or source_uri or tracking_uri(cfg)
+    tags = run_tags(cfg, kind)
+    if source_id:
+        tags["source_run"] = source_id
+    try:
+        with quick_requests():
+            if uri.startswith("sqlite:///"):
+                Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            client = MlflowClient(uri)
+            exp_id = None
+            if source_id:
+                try:
+                    exp_id = client.get_run(source_id).info.experiment_id
+                except MlflowException:  # the training run is not in this store
+                    pass
+            run_id = client.create_run(exp_id or experiment_id(client, cfg.logger.experiment), run_name=name,
+                                       tags=tags).info.run_id
+            upload(client, run_id, config={**to_dict(cfg), kind: options}, metrics=metrics, files=files)
+            client.set_terminated(run_id)
+    except Exception as e:
+        print(f"could not record the {kind} as an MLflow run in {uri} ({first_line(e)}); its files stay in "
+              f"{Path(files[0]).parent}")
+        return None
+    print(f"MLflow run {run_id} ({kind}) in {uri}")
+    return run_id
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -271,6 +360,8 @@ def _plot_trials(per_trial: list[dict], path: Path) -> Path:
     trials = [t["trial"] for t in per_trial]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(trials, [t["score"] for t in per_trial], marker="o", label="score (0-100)")
+    ax.plot(trials, [t["nomem"]["score"] for t in per_trial], marker="o", linestyle="--", color="tab:gray",
+            label="score, same episodes tip-free")
     ax.set_xlabel("trial (memory only, no parameter update)")
     ax.set_ylabel("score")
     ax2 = ax.twinx()

@@ -125,14 +125,13 @@ def _prepare_tracking(runs: list[GridRun]) -> None:
     fresh sqlite file would race to create its tables."""
     from mlflow.tracking import MlflowClient
 
+    from empo2.tracking import experiment_id
     from empo2.train import tracking_uri
 
     for uri, name in sorted({(tracking_uri(r.cfg), r.cfg.logger.experiment) for r in runs}):
         if uri.startswith("sqlite:///"):
             Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        client = MlflowClient(uri)
-        if client.get_experiment_by_name(name) is None:
-            client.create_experiment(name)
+        experiment_id(MlflowClient(uri), name)
 
 
 def run_grid(path: str | Path, seeds: object = None, workers: int = 1, overrides: list[str] | tuple = ()) -> list[dict]:

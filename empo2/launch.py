@@ -133,40 +133,22 @@ def last_line(log: Path) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def _flat(config: dict, prefix: str = ""):
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def log_run_files(summary: dict) -> None:
     """Onto a finished run's MLflow run: its resolved config as params (`algo.p`, `trainer.lr`, ...; keys
     already logged are left alone) and its learning curve, config.yaml and summary.json as artifacts, so a shared
     tracking server holds them and not only the node that ran it. Best effort: a tracking server that
     is away is said once, and everything stays in the run folder."""
-    import json
-
     run_id, uri = summary.get("mlflow_run_id"), summary.get("mlflow_tracking_uri")
     if not run_id or not uri:
         return
-    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    from empo2.tracking import first_line, quick_requests
+    from empo2.tracking import first_line, quick_requests, upload
 
-    client = MlflowClient(uri)
     try:
         with quick_requests():
-            known = client.get_run(run_id).data.params
-            params = [Param(k, (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:500])
-                      for k, v in _flat(summary.get("config") or {}) if k not in known]
-            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
-                client.log_batch(run_id, params=params[i:i + 100])
-            for path in (summary.get("plot"), summary.get("config_file"), summary.get("summary_path")):
-                if path and Path(path).is_file():
-                    client.log_artifact(run_id, path)
+            upload(MlflowClient(uri), run_id, config=summary.get("config"),
+                   files=[summary.get("plot"), summary.get("config_file"), summary.get("summary_path")])
     except Exception as e:
         print(f"could not store the config and files of MLflow run {run_id} ({first_line(e)}); they stay in "
               f"{summary.get('run_dir')}")

@@ -40,6 +40,7 @@ def _parent_run(study, spec: SweepSpec, storage_url: str) -> str:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from empo2.tracking import experiment_id
     from empo2.train import tracking_uri
 
     uri = tracking_uri(spec.cfg)
@@ -53,8 +54,7 @@ def _parent_run(study, spec: SweepSpec, storage_url: str) -> str:
             return run_id
         except MlflowException:
             pass  # the study outlived its tracking database: start a new parent run
-    experiment = client.get_experiment_by_name(spec.mlflow_experiment)
-    exp_id = experiment.experiment_id if experiment else client.create_experiment(spec.mlflow_experiment)
+    exp_id = experiment_id(client, spec.mlflow_experiment)
     tags = {"empo2.role": "study", "optuna.study": spec.study, "optuna.metric": spec.metric,
             "optuna.storage": shown_url(storage_url)}
     run_id = client.create_run(exp_id, run_name=spec.study, tags=tags).info.run_id

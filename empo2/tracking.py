@@ -19,11 +19,17 @@ import time
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
 from empo2.utils import atomic_write_json
 
 SPOOL_NAME = "mlflow_pending.json"
+# MLflow 3's UI shows an experiment either as GenAI work (traces, evaluations) or as model training (runs,
+# params, metric charts). Its UIs up to the GenAI/Model-training switch read the view from this experiment tag
+# (MLflow's own key and value); the switch reads it from the link instead, hence MLFLOW_UI_VIEW.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+MLFLOW_UI_VIEW = "workflowType=machine_learning"
 
 
 @contextlib.contextmanager
@@ -42,6 +48,64 @@ def quick_requests(timeout: float = 10.0):
 
 def first_line(e: BaseException, limit: int = 160) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
+def ui_link(base: str, experiment: str, run_id: str | None = None) -> str:
+    """The MLflow UI page of an experiment (or one of its runs) under `base` (http://HOST:PORT), in the
+    model-training view."""
+    page = f"{base.rstrip('/')}/#/experiments/{experiment}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{page}?{MLFLOW_UI_VIEW}"
+
+
+def experiment_id(client, name: str) -> str:
+    """The id of MLflow experiment `name`, created when missing, marked as a model-training experiment
+    (`EXPERIMENT_KIND`) so the UI opens it on its runs. An experiment without the mark gets it; a kind set
+    by hand is left alone."""
+    from mlflow.exceptions import MlflowException
+
+    key, value = EXPERIMENT_KIND
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, tags={key: value})
+        except MlflowException:  # another process (a grid worker, a sweep driver) created it just before
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if key not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
+
+
+def flat_config(config: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf of a nested config: `algo.p`, `trainer.lr`, ..."""
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            yield from flat_config(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def upload(client, run_id: str, config: dict | None = None, metrics: list[tuple[str, float, int]] = (),
+           files: list = ()) -> None:
+    """Onto an MLflow run: the config's leaves as params (keys the run already has are left alone), metrics
+    as (key, value, step), and files as artifacts, each call within MLflow's batch limits."""
+    import json
+
+    from mlflow.entities import Metric, Param
+
+    known = client.get_run(run_id).data.params
+    params = [Param(k, (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:500])
+              for k, v in flat_config(config or {}) if k not in known]
+    for i in range(0, len(params), 100):  # MLflow takes at most 100 params per call
+        client.log_batch(run_id, params=params[i:i + 100])
+    stamp = int(time.time() * 1000)
+    rows = [Metric(key=k, value=float(v), timestamp=stamp, step=int(s)) for k, v, s in metrics]
+    for i in range(0, len(rows), 1000):  # and at most 1000 metrics
+        client.log_batch(run_id, metrics=rows[i:i + 1000])
+    for path in files:
+        if path and Path(path).is_file():
+            client.log_artifact(run_id, str(path))
 
 
 class ResilientMLFlowLogger(MLFlowLogger):
@@ -66,6 +130,14 @@ class ResilientMLFlowLogger(MLFlowLogger):
                       f"sending them first")
 
     # ------------------------------------------------------------------------------------------ API
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        # a new run's experiment is ours to create (marked as model training), not Lightning's
+        if not self._initialized and self._run_id is None and self._experiment_id is None:
+            self._experiment_id = experiment_id(self._mlflow_client, self._experiment_name)
+        return super().experiment
+
     @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:
         metrics = dict(metrics)

@@ -180,6 +180,17 @@ def source_version() -> dict[str, str]:
     return {"git_commit": commit + ("-dirty" if dirty else "")} if commit else {}
 
 
+def run_tags(cfg: TrainConfig, kind: str = "train") -> dict[str, str]:
+    """The MLflow tags of a run made with this config: what it is (`kind`: train, eval, adapt), algo, env,
+    model, seed, preset, the code's git commit, then `logger.tags` (grid, sweep, trial, the user's own)."""
+    tags = {"kind": kind, "algo": cfg.algo.name, "env": cfg.env.name, "model": cfg.model.name,
+            "seed": str(cfg.seed), **source_version()}
+    if cfg.experiment:
+        tags["preset"] = cfg.experiment
+    tags.update({str(k): str(v) for k, v in cfg.logger.tags.items()})
+    return tags
+
+
 def _logger(cfg: TrainConfig, run_dir: Path):
     if cfg.logger.name == "none":
         return None
@@ -187,13 +198,8 @@ def _logger(cfg: TrainConfig, run_dir: Path):
 
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if id_file.is_file() else None  # resume continues the same run
-    tags = {"algo": cfg.algo.name, "env": cfg.env.name, "model": cfg.model.name, "seed": str(cfg.seed),
-            **source_version()}
-    if cfg.experiment:
-        tags["preset"] = cfg.experiment
-    tags.update({str(k): str(v) for k, v in cfg.logger.tags.items()})
     return ResilientMLFlowLogger(experiment_name=cfg.logger.experiment, tracking_uri=tracking_uri(cfg),
-                                 run_id=run_id, run_name=run_dir.name, tags=tags or None,
+                                 run_id=run_id, run_name=run_dir.name, tags=run_tags(cfg),
                                  spool=run_dir / SPOOL_NAME, retry_s=cfg.logger.retry_s)
 
 
@@ -350,6 +356,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     summary = {"metrics": final, "history": history, "config": to_dict(cfg),
                "checkpoint": str(last) if last.is_file() else None,
                "mlflow_run_id": logger.run_id if logger is not None else None,
+               "mlflow_experiment_id": logger.experiment_id if logger is not None else None,
                "mlflow_tracking_uri": logger._tracking_uri if logger is not None else None,
                "run_dir": str(run_dir), "plot": str(plot_path), "config_file": str(config_path),
                "summary_path": str(run_dir / "summary.json")}
