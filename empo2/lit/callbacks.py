@@ -25,6 +25,7 @@ from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed, step_counts
+from empo2.lit.progress import Phase
 from empo2.rollout.collector import RolloutCollector
 from empo2.rollout.engines import full_named_tensors
 
@@ -76,6 +77,7 @@ class RolloutCallback(L.Callback):
         # restored any checkpoint: the first rollout of every fit syncs it, so a resumed run never samples
         # from the weights it started with.
         self._engine_synced = False
+        self.phase = Phase()  # rollouts, update or validation, with its count (the progress bar shows it)
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
@@ -108,8 +110,10 @@ class RolloutCallback(L.Callback):
         self.collector.add_tips = world == 1
         if not self._engine_synced:  # produce runs after the restore, on fresh starts and resumes alike
             self._sync_engine(pl_module)
+        mine = tasks[rank::world]
         with full_params(trainer):
-            batch = self.collector.collect(tasks[rank::world], cfg.rollout.group_size, it, generator)
+            batch = self._collect("rollouts", 0, len(mine) * cfg.rollout.group_size, mine, cfg.rollout.group_size, it,
+                                  generator)
         self.collector.engine.sleep()  # vLLM with engine.sleep_mode frees its memory for the update
         maybe_fail("rollout", it)
         if world > 1:
@@ -128,6 +132,7 @@ class RolloutCallback(L.Callback):
             busiest = int(t.item())
         n_mini, micro_per_mini = step_counts(busiest, world, cfg.trainer.mini_batch_size, cfg.trainer.micro_batch_size)
         self.datamodule.set_rollouts(batch.samples, old, it, n_mini, micro_per_mini)
+        self.phase.set("update", 0, n_mini * cfg.trainer.ppo_epochs, it)
         steps = torch.tensor([len(batch.samples)], device=pl_module.device)  # one sample per environment step
         if world > 1:
             dist.all_reduce(steps, op=dist.ReduceOp.SUM)
@@ -136,14 +141,16 @@ class RolloutCallback(L.Callback):
         stats = dict(batch.stats, **{"train/iteration": float(it), "train/env_steps": float(self.env_steps),
                                      "algo/beta": self.collector.settings.beta})
         stats["env/restarts"] = float(self._env_restarts())
-        pl_module.progress = {"return": stats["rollout/return"], "success": stats["rollout/success"],
-                              "mem": stats["memory/size"]}
         self._log(trainer, it, stats)
 
     def _sync_engine(self, pl_module) -> None:
         # full tensors with Hugging Face names (FSDP gathered, LoRA merged); lazy, so HFEngine costs nothing
         self.collector.engine.update_weights(full_named_tensors(pl_module.policy))
         self._engine_synced = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if batch.last:  # the micro-batch that ends a mini-batch: one optimiser step done
+            self.phase.advance()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
         self._sync_engine(pl_module)
@@ -162,22 +169,32 @@ class RolloutCallback(L.Callback):
         modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
         lists = [("val", self.val_tasks, ())] + ([("val_train", self.train_val_tasks, (1,))]
                                                  if self.train_val_tasks else [])
+        total, done = len(modes) * sum(len(tasks) for _, tasks, _ in lists), 0
         for prefix, tasks, salt in lists:
             for name, use_memory in modes:
                 generator = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 2**20, name == "mem", *salt))
                 saved = self.collector.settings.temperature
                 self.collector.settings.temperature = self.cfg.rollout.val_temperature
                 try:
-                    batch = self.collector.collect(tasks, 1, iteration, generator, evaluate=True,
-                                                   use_memory=use_memory)
+                    batch = self._collect("validation", done, total, tasks, 1, iteration, generator, evaluate=True,
+                                          use_memory=use_memory)
                 finally:
                     self.collector.settings.temperature = saved
+                done += len(tasks)
                 out[f"{prefix}/score_{name}"] = batch.stats["rollout/score"]
                 out[f"{prefix}/success_{name}"] = batch.stats["rollout/success"]
                 out[f"{prefix}/episode_len_{name}"] = batch.stats["rollout/episode_len"]
         return out
 
     # ------------------------------------------------------------------------------------ helpers
+    def _collect(self, phase: str, before: int, total: int, tasks: list[TaskSpec], group_size: int, iteration: int,
+                 generator: torch.Generator, **kwargs):
+        """`collector.collect(...)` with its finished episodes counted into `phase`, after the `before` of `total`
+        that earlier calls of the same phase played."""
+        self.phase.set(phase, before, total, iteration)
+        return self.collector.collect(tasks, group_size, iteration, generator, **kwargs, on_step=lambda finished, _:
+                                      self.phase.set(phase, before + finished, total, iteration))
+
     def _share_tips(self, entries) -> None:
         """All-gather each rank's new tips and merge them in a rank-independent order."""
         gathered = [None] * dist.get_world_size()

@@ -1,57 +1,164 @@
-"""The console while a run trains: Lightning's rich bar, numbered as EMPO² iterations, plus one plain line
-per iteration (readable in a log file or a non-terminal, where a live bar is not)."""
+"""The console while a run trains: Lightning's rich bar, numbered as EMPO² iterations, counting the phase the
+iteration is in (rollouts, update, validation) in its own unit, plus one plain line per iteration (readable
+in a log file or a non-terminal, where the live bar is left out)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from lightning.pytorch.callbacks import RichProgressBar
+
+# what each phase counts: finished episodes while playing, optimiser steps while updating
+PHASE_UNITS = {"rollouts": "episodes", "update": "steps", "validation": "episodes"}
+# (history key, label, format) of the numbers the plain line shows; the bar shows those labelled BAR_STATS
+STATS = (("rollout/score", "score", ".1f"), ("rollout/success", "success", ".2f"),
+         ("rollout/score_memory", "with tips", ".1f"), ("rollout/score_tipfree", "tip-free", ".1f"),
+         ("val/score_nomem", "val", ".1f"), ("memory/size", "memory", ".0f"))
+BAR_STATS = ("score", "success", "memory")
+
+
+@dataclass
+class Phase:
+    """What the running iteration does, counted in its own unit (PHASE_UNITS). `listener` (the bar) hears
+    every change; the counts move once per lock-step of the environments or per optimiser step, never per
+    token."""
+
+    name: str = ""
+    done: int = 0
+    total: int = 0
+    iteration: int = 0  # 0-based; -1: the validation before training
+    listener: Callable[[Phase], None] | None = None
+
+    def set(self, name: str, done: int, total: int, iteration: int) -> None:
+        self.name, self.done, self.total, self.iteration = name, done, total, iteration
+        if self.listener is not None:
+            self.listener(self)
+
+    def advance(self) -> None:
+        self.set(self.name, self.done + 1, self.total, self.iteration)
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.done}/{self.total} {PHASE_UNITS[self.name]}" if self.name else ""
+
+
+def clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+def eta(iteration: int, iterations: int, finished: int, elapsed: float, in_current: float | None = None) -> str:
+    """Time left from the mean time of the `finished` iterations this process ran; `in_current`: seconds
+    spent so far on iteration `iteration` (0-based, still running), None once it has finished."""
+    spent = elapsed - (in_current or 0.0)
+    if finished == 0:
+        return "-:--"
+    mean = spent / finished
+    left = mean * (iterations - iteration - 1)
+    if in_current is not None:
+        left += max(mean - in_current, 0.0)
+    return clock(left)
+
+
+def stat_values(stats: dict, labels: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+    """(label, formatted value) of the STATS in `stats`, only those `labels` when given."""
+    return [(label, f"{stats[key]:{fmt}}") for key, label, fmt in STATS
+            if key in stats and (labels is None or label in labels)]
+
+
+def iteration_stats(history: list[dict], iteration: int | None = None) -> dict:
+    """The numbers logged for `iteration` (rollouts and validation merged), by default the latest one logged."""
+    stats: dict = {}
+    for h in reversed(history):  # in iteration order: stop at the first earlier one
+        iteration = h["iteration"] if iteration is None else iteration
+        if h["iteration"] < iteration:
+            break
+        if h["iteration"] == iteration:
+            stats = {**h, **stats}
+    return stats
 
 
 def eta_line(iteration: int, iterations: int, done_this_fit: int, elapsed: float, stats: dict) -> str:
     """`iteration 3/24  score 25.0  success 0.12  memory 40  elapsed 1:02  ETA 6:10` (1-based iteration;
     the ETA extrapolates the mean time of the iterations this process ran)."""
-    def clock(seconds: float) -> str:
-        m, s = divmod(int(round(seconds)), 60)
-        return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+    return "  ".join([f"iteration {iteration + 1}/{iterations}", *(f"{k} {v}" for k, v in stat_values(stats)),
+                      f"elapsed {clock(elapsed)}", f"ETA {eta(iteration, iterations, done_this_fit, elapsed)}"])
 
-    remaining = iterations - iteration - 1
-    eta = elapsed / max(done_this_fit, 1) * remaining
-    parts = [f"iteration {iteration + 1}/{iterations}"]
-    for key, label, fmt in (("rollout/score", "score", ".1f"), ("rollout/success", "success", ".2f"),
-                            ("rollout/score_memory", "with tips", ".1f"), ("rollout/score_tipfree", "tip-free", ".1f"),
-                            ("val/score_nomem", "val", ".1f"), ("memory/size", "memory", ".0f")):
-        if key in stats:
-            parts.append(f"{label} {stats[key]:{fmt}}")
-    parts += [f"elapsed {clock(elapsed)}", f"ETA {clock(eta)}"]
-    return "  ".join(parts)
+
+def bar_description(iterations: int, phase: Phase, finished: int, elapsed: float, in_current: float) -> str:
+    """The bar's text while an iteration runs: `iteration 3/24  rollouts 5/16 episodes  elapsed 1:02  ETA 6:10`
+    (`before training` for the validation that precedes the first iteration)."""
+    it = phase.iteration
+    where = f"iteration {it + 1}/{iterations}" if it >= 0 else "before training"
+    left = eta(it, iterations, finished, elapsed, in_current) if it >= 0 else "-:--"
+    return f"{where}  {phase}  elapsed {clock(elapsed)}  ETA {left}"
 
 
 class IterationProgressBar(RichProgressBar):
-    """Rich's bar with `iteration k/N` (1-based) instead of `Epoch k/N-1`, and a line per iteration."""
+    """Rich's bar with `iteration k/N` (1-based) and the phase's own count instead of `Epoch k/N-1` and
+    Lightning's batch count, the latest score, success and memory size beside it, and a line per iteration."""
 
     def __init__(self, rollout):
         super().__init__(leave=True)
         self.rollout = rollout  # the RolloutCallback whose history holds each iteration's numbers
+        rollout.phase.listener = self._show_phase
         self._t0: float | None = None
+        self._epoch_t0 = 0.0
         self._done = 0
+        self._opened_early = False  # the bar was opened before Lightning's first epoch start (see _show_phase)
 
     def _get_train_description(self, current_epoch: int) -> str:
         return f"iteration {current_epoch + 1}/{self.trainer.max_epochs}"
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._t0, self._done = time.monotonic(), 0
+    def configure_columns(self, trainer) -> list:
+        # the description carries the counts and times; Lightning's micro-batch count and speed would mislead
+        return super().configure_columns(trainer)[:2]
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        return dict(stat_values(iteration_stats(self.rollout.history), BAR_STATS))
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from rich import get_console
+
+        super().setup(trainer, pl_module, stage)
+        if not get_console().is_terminal:  # a log file gets the plain lines only, not the bar's last frames
+            self.disable()
+        self._t0 = self._epoch_t0 = time.monotonic()
+        self._done = 0
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._opened_early:  # the bar the validation before training or the first rollouts opened is this one
+            self._opened_early = False
+        else:
+            super().on_train_epoch_start(trainer, pl_module)
+            self._epoch_t0 = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # the bar counts the phase (`_show_phase`), not Lightning's batches
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+
+    def _show_phase(self, phase: Phase) -> None:
+        if self.is_disabled or self._t0 is None:
+            return
+        if self.train_progress_bar_id is None:
+            # Lightning fetches the first batch, and so plays the first rollouts, before it starts the bar
+            self._init_progress(self.trainer)
+            self.train_progress_bar_id = self._add_task(1, self._get_train_description(0))
+            self._opened_early = True
+        now = time.monotonic()
+        text = bar_description(self.trainer.max_epochs, phase, self._done, now - self._t0, now - self._epoch_t0)
+        self.progress.update(self.train_progress_bar_id, description=text, completed=phase.done,
+                             total=max(phase.total, 1))
+        self.refresh()
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if not trainer.is_global_zero or self._t0 is None:
             return
         self._done += 1
-        stats: dict = {}
-        for h in self.rollout.history:  # this iteration's rollout and validation numbers
-            if h.get("iteration") == trainer.current_epoch:
-                stats.update(h)
+        stats = iteration_stats(self.rollout.history, trainer.current_epoch)
         line = eta_line(trainer.current_epoch, trainer.max_epochs, self._done, time.monotonic() - self._t0, stats)
         if self._console is not None:
             self._console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -11,6 +11,7 @@ group advantages and copied onto every step sample, all through `empo2.core_algo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,10 +94,12 @@ class RolloutCollector:
         self.add_tips = True
 
     def collect(self, tasks: list[TaskSpec], group_size: int, iteration: int, generator: torch.Generator,
-                evaluate: bool = False, use_memory: bool | None = None) -> RolloutBatch:
+                evaluate: bool = False, use_memory: bool | None = None,
+                on_step: Callable[[int, int], None] | None = None) -> RolloutBatch:
         """Play `group_size` rollouts of every task instance. `evaluate=True` samples at the given
         temperature with memory on (`use_memory=True`) or off, writes no tips, counts no visits and
-        draws no update modes."""
+        draws no update modes. `on_step(finished, episodes)` hears after every lock-step how many of the
+        episodes have ended (the progress bar's count)."""
         s = self.settings
         n_traj = len(tasks) * group_size
         if n_traj > len(self.envs):
@@ -185,6 +188,8 @@ class RolloutCollector:
                     trajs[i].intrinsic.append(n)
             live = still_live
             timing["env"] += time.perf_counter() - t0
+            if on_step is not None:
+                on_step(n_traj - len(live), n_traj)
 
         new_tips, tips_added = None, 0
         if not evaluate and s.write_tips and has_memory:

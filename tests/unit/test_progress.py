@@ -1,6 +1,7 @@
-"""The per-iteration console line: 1-based iteration, key numbers, elapsed and an ETA from the mean pace."""
+"""The console of a run: the per-iteration line (1-based iteration, key numbers, elapsed and an ETA from the mean
+pace) and the live bar's text (the phase with its own count)."""
 
-from empo2.lit.progress import eta_line
+from empo2.lit.progress import BAR_STATS, Phase, bar_description, eta_line, iteration_stats, stat_values
 
 
 def test_eta_extrapolates_the_mean_time_of_the_iterations_run_here():
@@ -14,3 +15,42 @@ def test_the_last_iteration_has_no_time_left_and_hours_show_as_such():
     assert eta_line(23, 24, 24, 4000.0, {}).endswith("elapsed 1:06:40  ETA 0:00")
     assert "with tips 30.0  tip-free 10.0" in eta_line(0, 2, 1, 1.0, {"rollout/score_memory": 30.0,
                                                                    "rollout/score_tipfree": 10.0})
+
+
+def test_a_phase_counts_in_its_own_unit_and_tells_its_listener():
+    seen = []
+    phase = Phase(listener=lambda p: seen.append(str(p)))
+    assert str(phase) == ""  # before the first phase: nothing to show
+    phase.set("rollouts", 15, 16, 2)
+    phase.set("update", 0, 12, 2)
+    phase.advance()
+    phase.set("validation", 4, 8, 2)
+    assert seen == ["rollouts 15/16 episodes", "update 0/12 steps", "update 1/12 steps", "validation 4/8 episodes"]
+    assert (phase.name, phase.done, phase.total, phase.iteration) == ("validation", 4, 8, 2)
+
+
+def test_the_bar_text_holds_the_phase_and_an_eta_that_counts_the_running_iteration():
+    phase = Phase()
+    phase.set("rollouts", 5, 16, 2)
+    # 2 iterations finished in 60 s (70 s elapsed, 10 s into the third): 30 s each; 21 more after this one,
+    # and 20 s of this one left: 650 s
+    text = bar_description(24, phase, 2, 70.0, 10.0)
+    assert text == "iteration 3/24  rollouts 5/16 episodes  elapsed 1:10  ETA 10:50"
+    phase.set("update", 3, 12, 2)
+    assert bar_description(24, phase, 2, 100.0, 40.0).endswith("update 3/12 steps  elapsed 1:40  ETA 10:30")
+    phase.set("rollouts", 0, 16, 0)  # nothing finished yet: no pace to extrapolate
+    assert bar_description(24, phase, 0, 5.0, 5.0) == "iteration 1/24  rollouts 0/16 episodes  elapsed 0:05  ETA -:--"
+    phase.set("validation", 1, 8, -1)
+    assert bar_description(24, phase, 0, 3.0, 3.0).startswith("before training  validation 1/8 episodes")
+
+
+def test_iteration_stats_merge_one_iteration_and_the_bar_shows_score_success_and_memory():
+    history = [{"iteration": -1, "val/score_nomem": 5.0},
+               {"iteration": 0, "rollout/score": 10.0, "rollout/success": 0.25, "memory/size": 4.0},
+               {"iteration": 0, "val/score_nomem": 12.5},
+               {"iteration": 1, "rollout/score": 20.0, "rollout/success": 0.5, "memory/size": 8.0}]
+    assert iteration_stats(history, 0) == {"iteration": 0, "rollout/score": 10.0, "rollout/success": 0.25,
+                                           "memory/size": 4.0, "val/score_nomem": 12.5}
+    assert iteration_stats(history)["rollout/score"] == 20.0  # the latest iteration by default
+    assert iteration_stats([]) == {}
+    assert stat_values(iteration_stats(history), BAR_STATS) == [("score", "20.0"), ("success", "0.50"), ("memory", "8")]
