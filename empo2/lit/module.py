@@ -46,7 +46,6 @@ class EMPO2Module(L.LightningModule):
         # per-iteration sums and step counts of the logged metrics: one `log_dict` per iteration, since each
         # Lightning log call costs ~0.3 ms per key, more than the rest of a small model's optimiser step
         self._iteration: dict[str, list[float]] = {}
-        self.progress: dict[str, float] = {}  # latest rollout numbers, shown in the progress bar
         self.last_step: dict[str, float] = {}  # actor/* of the latest optimiser step (MLflow gets iteration means)
 
     # ------------------------------------------------------------------------------------ log-probs
@@ -160,8 +159,6 @@ class EMPO2Module(L.LightningModule):
                 self._totals[k] = self._totals.get(k, 0.0) + v * w
             self._totals["offpolicy_frac"] = self._totals.get("offpolicy_frac", 0.0) + \
                 float(offpolicy.float().sum()) / max(micro.num_seqs, 1)
-        if batch_idx == 0:  # the rollout numbers are fixed for the iteration: the bar needs them once
-            self.log_dict(self.progress, prog_bar=True, on_step=True, logger=False)  # the bar only, not MLflow
         if micro.last:
             self._step()
             maybe_fail("update", self.buffer.iteration)

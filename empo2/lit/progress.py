@@ -145,7 +145,7 @@ class IterationProgressBar(RichProgressBar):
         if self.train_progress_bar_id is None:
             # Lightning fetches the first batch, and so plays the first rollouts, before it starts the bar
             self._init_progress(self.trainer)
-            self.train_progress_bar_id = self._add_task(1, self._get_train_description(0))
+            self.train_progress_bar_id = self._add_task(1, self._get_train_description(self.trainer.current_epoch))
             self._opened_early = True
         now = time.monotonic()
         text = bar_description(self.trainer.max_epochs, phase, self._done, now - self._t0, now - self._epoch_t0)
