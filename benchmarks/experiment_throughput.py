@@ -1,0 +1,217 @@
+"""Iterations per hour of real training runs, with the time per phase, for two commits side by side.
+
+Each commit's tree (`git archive`, so the working tree is not touched) trains in its own process, the
+commits alternating (A B A B ...) so a slow spell of a shared machine hits both; each configuration and
+commit runs `--repeats` times (the demo configurations `--demo-repeats` times) and reports its fastest run
+(the least disturbed estimate). A run is `empo2.train.train` with the configuration's own settings and
+`trainer.iterations=--iterations` (`--demo-iterations`):
+
+- `headline`: the first run of `experiments/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
+- `demo`: `empo2 train` with the defaults (`make demo`: SmolLM2-135M on MiniSci);
+- `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
+  its saving in memory).
+
+The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
+and the validation before training are not counted; the periodic validation and the checkpoints are.
+Phases are the wall time inside the real methods, summed over the window, as shares of it: rollout
+(`RolloutCollector.collect`, its `generate` part separately), old log-probs (`EMPO2Module.old_logprobs`),
+update (`EMPO2Module.training_step`), validation (`RolloutCallback.validate`), checkpoint writes
+(`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Padding is the
+share of the update's (prompt + response) positions that are padding, peak RSS the process's maximum
+resident memory (`ru_maxrss`, whole process, model load included).
+
+    python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_gc]
+        [--iterations 4] [--demo-iterations 1] [--repeats 2] [--demo-repeats 1]
+        [--out benchmarks/results/experiment_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ("headline", "demo", "demo_gc")
+HEAD_ONLY = ("demo_gc",)  # options the base commit may not have
+
+
+# ------------------------------------------------------------------------------------ child process
+def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
+    """One training run of `config` with the empo2 package of `tree`; returns its timings."""
+    import resource
+
+    sys.path.insert(0, str(tree))
+    import lightning as L
+
+    from empo2.config import load_config
+    from empo2.lit import callbacks as cb_mod
+    from empo2.lit import checkpoint_io, module
+    from empo2.rollout import collector as collector_mod
+    from empo2.train import train
+
+    if config == "headline":
+        from empo2.grid import plan_grid
+
+        _, runs = plan_grid(tree / "experiments" / "headline_minisci.yaml", seeds=[0],
+                            overrides=[f"run_root={run_root}", f"trainer.iterations={iterations}"])
+        cfg = runs[0].cfg
+    else:
+        extra = ["trainer.gradient_checkpointing=true"] if config == "demo_gc" else []
+        cfg = load_config([f"run_root={run_root}", f"trainer.iterations={iterations}", "run_name=demo", *extra])
+
+    phases = dict.fromkeys(("rollout", "generate", "old_logprobs", "update", "validation", "checkpoint"), 0.0)
+    pad = {"real": 0, "padded": 0}
+    marks: dict[str, float] = {}
+
+    def timed(owner, name: str, phase: str):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                if "start" in marks:  # only inside the window
+                    phases[phase] += time.perf_counter() - t0
+        setattr(owner, name, wrapper)
+
+    real_produce = cb_mod.RolloutCallback.produce
+
+    def produce(self, trainer, pl_module):
+        marks.setdefault("start", time.perf_counter())
+        return real_produce(self, trainer, pl_module)
+
+    cb_mod.RolloutCallback.produce = produce
+    real_collect = collector_mod.RolloutCollector.collect
+
+    def collect(self, *args, **kwargs):  # training rollouts only: validation's are timed by `validate`
+        t0 = time.perf_counter()
+        batch = real_collect(self, *args, **kwargs)
+        if "start" in marks and not kwargs.get("evaluate", False):
+            phases["rollout"] += time.perf_counter() - t0
+            phases["generate"] += batch.stats["time/generate_s"] + batch.stats["time/tips_s"]
+        return batch
+
+    collector_mod.RolloutCollector.collect = collect
+    timed(module.EMPO2Module, "old_logprobs", "old_logprobs")
+    timed(module.EMPO2Module, "training_step", "update")
+    timed(cb_mod.RolloutCallback, "validate", "validation")
+    timed(checkpoint_io.AtomicCheckpointIO, "save_checkpoint", "checkpoint")
+    real_loss = module.EMPO2Module.micro_batch_loss
+
+    def micro_batch_loss(self, micro):
+        samples = [self.buffer.samples[i] for i in micro.indices]
+        pad["real"] += sum(len(s.train_ids) + len(s.response_ids) for s in samples)
+        pad["padded"] += len(samples) * (max(len(s.train_ids) for s in samples) +
+                                         max(len(s.response_ids) for s in samples))
+        return real_loss(self, micro)
+
+    module.EMPO2Module.micro_batch_loss = micro_batch_loss
+
+    class End(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            marks["end"] = time.perf_counter()
+
+    summary = train(cfg, callbacks=[End()])
+    window = marks["end"] - marks["start"]
+    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return {"config": config, "iterations": iterations, "window_s": window,
+            "iterations_per_hour": 3600 * iterations / window, "s_per_iteration": window / iterations,
+            "phases_s": phases, "padding_share": 1 - pad["real"] / max(pad["padded"], 1),
+            "update_positions": pad["padded"], "peak_rss_gb": rss_gb,
+            "env_steps": summary["metrics"].get("train/env_steps")}
+
+
+# ------------------------------------------------------------------------------------------- driver
+def _tree(rev: str, into: Path) -> tuple[Path, str]:
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    out = into / sha
+    out.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", sha], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out, sha
+
+
+def _run(tree: Path, config: str, iterations: int, scratch: Path) -> dict:
+    result = scratch / f"{tree.name}-{config}-{time.time_ns()}.json"
+    cmd = [sys.executable, __file__, "--child", str(tree), "--configs", config, "--iterations", str(iterations),
+           "--out", str(result)]
+    proc = subprocess.run(cmd, cwd=scratch, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree.name} {config} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def _row(label: str, r: dict) -> str:
+    ph, w = r["phases_s"], r["window_s"]
+    share = {k: 100 * v / w for k, v in ph.items()}
+    rest = 100 - sum(share[k] for k in ("rollout", "old_logprobs", "update", "validation", "checkpoint"))
+    return (f"| {label} | {r['iterations_per_hour']:.0f} | {r['s_per_iteration']:.1f} | {share['rollout']:.0f}% "
+            f"({share['generate']:.0f}%) | {share['old_logprobs']:.0f}% | {share['update']:.0f}% | "
+            f"{share['validation']:.0f}% | {share['checkpoint']:.1f}% | {rest:.0f}% | "
+            f"{100 * r['padding_share']:.0f}% | {r['peak_rss_gb']:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD~1", help="the commit to compare against")
+    ap.add_argument("--head", default="HEAD")
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--demo-iterations", type=int, default=1, help="iterations of the (slow) demo runs")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--demo-repeats", type=int, default=1)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "experiment_throughput.json"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        with tempfile.TemporaryDirectory() as root:
+            Path(args.out).write_text(json.dumps(_child(Path(args.child), args.configs[0], args.iterations,
+                                                        Path(root))))
+        return
+
+    results: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        trees = [_tree(args.base, scratch), _tree(args.head, scratch)]
+        for config in args.configs:
+            n = args.iterations if config == "headline" else args.demo_iterations
+            for rep in range(args.repeats if config == "headline" else args.demo_repeats):
+                for tree, sha in (trees[1:] if config in HEAD_ONLY else trees):
+                    r = _run(tree, config, n, scratch)
+                    results.setdefault(config, {}).setdefault(sha, []).append(r)
+                    print(f"{config} {sha} run {rep + 1}: {r['s_per_iteration']:.1f} s/iteration", flush=True)
+
+    (base_sha, head_sha) = [sha for _, sha in trees]
+    best = {c: {sha: min(runs, key=lambda r: r["window_s"]) for sha, runs in by.items()} for c, by in results.items()}
+    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; fastest of {args.repeats} runs "
+          f"(demo: {args.demo_repeats})\n")
+    print("| config, commit | iterations/h | s/iteration | rollout (generate) | old log-probs | update | validation "
+          "| checkpoint | rest | update padding | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for config, by in best.items():
+        for sha in (base_sha, head_sha):
+            if sha in by:
+                print(_row(f"{config}, {sha}", by[sha]))
+    print()
+    for config, by in best.items():
+        if base_sha not in by:
+            continue
+        ratio = by[head_sha]["iterations_per_hour"] / by[base_sha]["iterations_per_hour"]
+        print(f"{config}: {head_sha} runs {ratio:.2f}x the iterations per hour of {base_sha}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"base": base_sha, "head": head_sha, "repeats": args.repeats,
+                                          "demo_repeats": args.demo_repeats,
+                                          "runs": results, "best": best}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
