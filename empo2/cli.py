@@ -106,12 +106,39 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_findings(history: list[dict]) -> list[str]:
+    """What a run shows about the method, from its per-iteration history: tip-free validation before and
+    after training (held-out and on the training instances), and the scores of rollouts that carried tips
+    beside tip-free ones over the whole run, weighted by episodes (the memory is live only if the first is
+    higher)."""
+    lines = []
+    for key, label in (("val/score_nomem", "tip-free validation score (held out)"),
+                       ("val_train/score_nomem", "tip-free validation score (training instances)")):
+        points = [(h["iteration"], h[key]) for h in history if key in h]
+        if len(points) >= 2 and points[0][0] < 0:  # iteration -1: before the first update
+            lines.append(f"{label}: {points[0][1]:.1f} before training -> {points[-1][1]:.1f} after")
+        elif points:
+            lines.append(f"{label}: {points[-1][1]:.1f} after training")
+    totals = {}
+    for name in ("memory", "tipfree"):
+        n = sum(h.get(f"rollout/episodes_{name}", 0.0) for h in history)
+        total = sum(h.get(f"rollout/episodes_{name}", 0.0) * h.get(f"rollout/score_{name}", 0.0) for h in history)
+        totals[name] = (total / n, int(n)) if n else None
+    if totals["memory"] and totals["tipfree"]:
+        (mem, n_mem), (free, n_free) = totals["memory"], totals["tipfree"]
+        lines.append(f"training rollouts: {mem:.1f} with tips ({n_mem} episodes) vs {free:.1f} tip-free "
+                     f"({n_free} episodes)")
+    return lines
+
+
 def print_report(summary: dict) -> None:
-    """The closing lines of a run: final numbers and where everything went."""
+    """The closing lines of a run: what it shows, the final numbers and where everything went."""
     m = summary["metrics"]
     shown = ["rollout/return", "rollout/score", "rollout/success", "val/score_nomem", "val/success_nomem",
              "val/score_mem", "val/success_mem", "memory/size", "time/total_s"]
     print("\n== empo2 run finished ==")
+    for line in run_findings(summary.get("history", [])):
+        print(f"  {line}")
     for key in shown:
         if key in m:
             print(f"  {key:<20} {m[key]:.3f}")

@@ -304,6 +304,7 @@ class RolloutCollector:
         # the mechanism is live only if rollouts that carried tips score above those that did not
         for name, group in (("memory", [tr for tr in trajs if any(smp.memory for smp in tr.samples)]),
                             ("tipfree", [tr for tr in trajs if not any(smp.memory for smp in tr.samples)])):
+            stats[f"rollout/episodes_{name}"] = float(len(group))
             if group:
                 stats[f"rollout/score_{name}"] = sum(tr.score for tr in group) / len(group)
         stats.update({f"time/{k}_s": v for k, v in timing.items()})
