@@ -207,9 +207,16 @@ def resolve_path(cfg: ModelConfig) -> Path:
 
 
 def _load_local(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if (path / "empo2_source.json").is_file():
+        # A checkpoint this project wrote (a prior, the SmolLM2 conversion): its tokenizer.json is exactly the
+        # tokenizer it was trained or converted with. AutoTokenizer would pick the model type's class
+        # (Qwen2Tokenizer for the Qwen2-shaped priors), which rebuilds its own pre-tokenizer and splits every
+        # number into digits: prompts at run time would not be the prompts the policy learned on.
+        tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     return model, tok
 
