@@ -163,11 +163,11 @@ class RolloutConfig:
     generation_logprobs: bool = opt(True, "Take the behaviour (old) log-probs of the update from `generate`, which "
                                     "already computed softmax(logits / temperature) at every sampled token, instead "
                                     "of a second forward pass over the same prompts. Used only where that is the "
-                                    "distribution the trainer scores: `engine.name=hf` (the policy module itself) "
-                                    "and `trainer.precision=32-true`; elsewhere the pass runs. The two agree to "
-                                    "float32 rounding (a KV-cached decode step sums in another order, as batches of "
-                                    "another shape do; tests bound it by 1e-5); false keeps the pass, whose first "
-                                    "on-policy ratio is 1 to the bit at micro_batch_size 1.")
+                                    "distribution the trainer scores: `engine.name=hf` (the policy module itself), "
+                                    "`trainer.precision=32-true` and `model.dtype=float32`; elsewhere the pass runs. "
+                                    "The two agree to float32 rounding (a KV-cached decode step sums in another "
+                                    "order, as batches of another shape do; tests bound it by 1e-5); false keeps "
+                                    "the pass, whose first on-policy ratio is 1 to the bit at micro_batch_size 1.")
 
 
 # ---------------------------------------------------------------------------------------------- memory

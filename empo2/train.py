@@ -64,8 +64,10 @@ def episode_step_bound(cfg: TrainConfig, env) -> int:
 def generation_logprobs_exact(cfg: TrainConfig) -> bool:
     """Whether `generate` samples from exactly the distribution the update scores as the behaviour policy:
     the HF engine runs on the policy module itself (same weights), outside any autocast, so only a 32-bit
-    update scores in the same precision; the temperature is the rollout's on both sides."""
-    return cfg.rollout.generation_logprobs and cfg.engine.name == "hf" and cfg.trainer.precision == "32-true"
+    update scores in the same precision; float32 weights keep the two passes' difference at float32 rounding
+    (bfloat16 matmuls summed in another order differ by far more); the temperature is the rollout's on both."""
+    return (cfg.rollout.generation_logprobs and cfg.engine.name == "hf" and cfg.trainer.precision == "32-true"
+            and cfg.model.dtype == "float32")
 
 
 def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):

@@ -106,3 +106,16 @@ def test_fp16_precision_is_refused_with_the_reason():
         load_config(["trainer.precision=16-mixed"])
     assert "\n" not in str(e.value)
     assert load_config(["trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("overrides, exact", [
+    ([], True),
+    (["rollout.generation_logprobs=false"], False),
+    (["trainer.precision=bf16-mixed"], False),  # generate runs outside the update's autocast
+    (["model.dtype=bfloat16"], False),  # bfloat16 passes differ by more than float32 rounding
+    (["engine.name=vllm"], False),  # its own weights copy and kernels
+])
+def test_generation_logprobs_are_taken_only_where_they_are_the_scored_distribution(overrides, exact):
+    from empo2.train import generation_logprobs_exact
+
+    assert generation_logprobs_exact(load_config(["model=tiny", *overrides])) is exact
