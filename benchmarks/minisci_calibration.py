@@ -176,7 +176,7 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
 def main_memory(args) -> None:
     base = [f"model={args.model}", "algo.p=1", "algo.q=0", "algo.beta_start=0", "algo.beta_end=0",
             f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64",
-            f"seed={args.seed}"]
+            f"seed={args.seed}", f"rollout.temperature={args.temperature}"]
     model, tok = load_policy(load_config(base).model)
     model.eval()
     cat = get_catalogue("minisci")
@@ -224,6 +224,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory", action="store_true", help="memory-only adaptation with the policy's own tips")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="with --memory: acting temperature (1.0, the training temperature, is what RL starts from; "
+                         "tips are always written at 1.0, as in training)")
     ap.add_argument("--rounds", type=int, default=5, help="with --memory: episodes per instance, one after another")
     ap.add_argument("--show", type=int, default=0, help="with --memory: print the actions and tip of this many "
                                                         "instances per round")

@@ -14,8 +14,8 @@ import random
 import statistics
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from empo2.models import _load_local
 from empo2.prior import HISTORY_TURNS, MAX_PROMPT_TOKENS, MAX_REQUEST_TOKENS, _batch, ready_path
 from empo2.prior_tips import TIP_FREE, TIP_REQUEST, WITH_TIPS, TipPriorSettings, dev_episodes, tip_examples
 from empo2.rollout.prompts import PromptBuilder
@@ -27,8 +27,8 @@ def main(per_kind: int = 96, batch: int = 16) -> None:
     path = ready_path("minisci-tips", settings)
     if path is None:
         raise SystemExit("no minisci-tips with the current settings: build it first (any run with model=minisci_tips)")
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model, tok = _load_local(path, torch.float32)  # the tokenizer it was trained with
+    model.eval()
     builder = PromptBuilder(tok, max_prompt_tokens=MAX_PROMPT_TOKENS, history_turns=HISTORY_TURNS,
                             max_request_tokens=MAX_REQUEST_TOKENS)
     examples = tip_examples(builder, dev_episodes(settings), settings)

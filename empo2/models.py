@@ -270,7 +270,7 @@ def preset_status() -> list[tuple[str, str, str]]:
             from empo2.prior_tips import TipPriorSettings
 
             ready = ready_path(name, TipPriorSettings() if name == "minisci-tips" else BCSettings())
-            status = ("available (built on first use, about 8-40 min on 2 cores)" if ready is None else
+            status = ("available (built on first use, about 8-70 min on 2 cores)" if ready is None else
                       "available (shipped)" if ready.parent == SHIPPED else "available (cached)")
         elif name == "smollm2-135m-instruct":
             try:

@@ -185,8 +185,9 @@ def build_minisci_bc(settings: BCSettings, log=print):
     return model, tok, stats
 
 
-# Prebuilt priors shipped with the package, one folder per build (named like the cache folder, so a changed
-# setting never picks up a stale copy): a run starts in seconds instead of a build of 8-60 minutes.
+# Prebuilt priors shipped with the package, one folder per build named like its cache folder (so a changed
+# setting never picks up a stale copy): a build made elsewhere (on a GPU, in minutes) placed here spares every
+# user the CPU build of 8-70 minutes. None ships yet.
 SHIPPED = Path(__file__).parent / "assets"
 
 

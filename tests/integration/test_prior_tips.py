@@ -136,3 +136,23 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     assert sum("building" in line for line in logs) == 1
     model, tok = _load_local(path, torch.float32)
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
+
+
+def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_ones(tmp_path, monkeypatch):
+    import empo2.prior as prior
+
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prior, "SHIPPED", tmp_path / "shipped")
+    name = prior.cache_dir(SMALL, "minisci-tips").name
+    assert prior.ready_path("minisci-tips", SMALL) is None
+    (tmp_path / "shipped" / name).mkdir(parents=True)
+    assert prior.ready_path("minisci-tips", SMALL) is None  # unfinished: no record written last
+    (tmp_path / "shipped" / name / "empo2_source.json").write_text("{}")
+    assert prior.ready_path("minisci-tips", SMALL) == tmp_path / "shipped" / name
+    other = prior.cache_dir(TipPriorSettings(epochs=0.02, hidden_size=32, num_layers=1, vocab_size=400),
+                            "minisci-tips").name
+    assert other != name  # a changed setting never picks up another build's copy
+    cached = prior.cache_dir(SMALL, "minisci-tips")
+    cached.mkdir(parents=True)
+    (cached / "empo2_source.json").write_text("{}")
+    assert prior.ready_path("minisci-tips", SMALL) == cached
