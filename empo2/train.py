@@ -205,6 +205,20 @@ def _logger(cfg: TrainConfig, run_dir: Path):
                                  spool=run_dir / SPOOL_NAME, retry_s=cfg.logger.retry_s)
 
 
+def start_lines(cfg: TrainConfig, run_dir: Path, mlflow_run: str | None) -> list[str]:
+    """The header a run prints before its first rollout: what runs, where it goes, and on what."""
+    t = cfg.trainer
+    tasks = ", ".join(cfg.env.tasks) if cfg.env.tasks else "all training tasks"
+    lines = [f"empo2 train: {cfg.experiment or 'the default config'} | {cfg.algo.name} (p {cfg.algo.p:g}, "
+             f"q {cfg.algo.q:g}, delta {cfg.algo.delta:g}, beta {cfg.algo.beta_start:g}->{cfg.algo.beta_end:g}) | "
+             f"model {cfg.model.name} | {cfg.env.name}: {tasks}",
+             f"  {t.iterations} iterations of {cfg.rollout.tasks_per_batch} tasks x {cfg.rollout.group_size} "
+             f"rollouts on {t.accelerator} x{t.devices * t.num_nodes}, seed {cfg.seed} | run folder {run_dir}"]
+    if mlflow_run:
+        lines.append(f"  MLflow run {mlflow_run} in {tracking_uri(cfg)} (experiment {cfg.logger.experiment})")
+    return lines
+
+
 def state_fingerprint(model) -> str:
     """sha256 over every parameter's bytes, in name order."""
     import hashlib
@@ -313,6 +327,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         enable_model_summary=False, detect_anomaly=cfg.debug.detect_anomaly, plugins=[AtomicCheckpointIO()])
     if logger is not None and trainer.is_global_zero:  # written at once, so a killed run resumes into the same run
         (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
+    if trainer.is_global_zero:
+        print("\n".join(start_lines(cfg, run_dir, logger.run_id if logger is not None else None)), flush=True)
     ckpt_path = Path(cfg.resume).expanduser() if cfg.resume not in ("never", "auto") else None
     if cfg.resume == "auto" and ckpt_dir.is_dir():
         for torn in remove_torn_writes(ckpt_dir):

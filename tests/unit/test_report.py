@@ -21,3 +21,16 @@ def test_findings_say_only_what_the_history_holds():
     only_after = run_findings([{"iteration": 2, "val/score_nomem": 40.0, "rollout/episodes_memory": 0.0,
                                 "rollout/episodes_tipfree": 4.0, "rollout/score_tipfree": 5.0}])
     assert only_after == ["tip-free validation score (held out): 40.0 after training"]  # no tip rollouts: no line
+
+
+def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path):
+    from empo2.config import load_config
+    from empo2.train import start_lines
+
+    cfg = load_config(["experiment=grpo_minisci", "env.tasks=[find-living-thing]", "seed=3"])
+    lines = start_lines(cfg, tmp_path / "run", "abc123")
+    assert lines[0].startswith("empo2 train: grpo_minisci | grpo (p 0, q 0")
+    assert "model smollm2-135m-instruct | minisci: find-living-thing" in lines[0]
+    assert f"seed 3 | run folder {tmp_path / 'run'}" in lines[1] and "on cpu x1" in lines[1]
+    assert lines[2].startswith("  MLflow run abc123 in ")
+    assert len(start_lines(cfg, tmp_path, None)) == 2  # no tracking, no MLflow line
