@@ -111,6 +111,8 @@ def run_findings(history: list[dict]) -> list[str]:
     after training (held-out and on the training instances), and the scores of rollouts that carried tips
     beside tip-free ones over the whole run, weighted by episodes (the memory is live only if the first is
     higher)."""
+    from empo2.utils import plural
+
     lines = []
     for key, label in (("val/score_nomem", "tip-free validation score (held out)"),
                        ("val_train/score_nomem", "tip-free validation score (training instances)")):
@@ -126,8 +128,8 @@ def run_findings(history: list[dict]) -> list[str]:
         totals[name] = (total / n, int(n)) if n else None
     if totals["memory"] and totals["tipfree"]:
         (mem, n_mem), (free, n_free) = totals["memory"], totals["tipfree"]
-        lines.append(f"training rollouts: {mem:.1f} with tips ({n_mem} episodes) vs {free:.1f} tip-free "
-                     f"({n_free} episodes)")
+        lines.append(f"training rollouts: {mem:.1f} with tips ({plural(n_mem, 'episode')}) vs {free:.1f} tip-free "
+                     f"({plural(n_free, 'episode')})")
     return lines
 
 

@@ -18,7 +18,7 @@ from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, TrainConfig, to_dict
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.errors import Interrupted
 from empo2.models import load_policy
-from empo2.utils import atomic_write_bytes, atomic_write_json, make_run_dir, seed_everything
+from empo2.utils import atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
 
 
 def env_kwargs(cfg: TrainConfig) -> dict:
@@ -212,8 +212,9 @@ def start_lines(cfg: TrainConfig, run_dir: Path, mlflow_run: str | None) -> list
     lines = [f"empo2 train: {cfg.experiment or 'the default config'} | {cfg.algo.name} (p {cfg.algo.p:g}, "
              f"q {cfg.algo.q:g}, delta {cfg.algo.delta:g}, beta {cfg.algo.beta_start:g}->{cfg.algo.beta_end:g}) | "
              f"model {cfg.model.name} | {cfg.env.name}: {tasks}",
-             f"  {t.iterations} iterations of {cfg.rollout.tasks_per_batch} tasks x {cfg.rollout.group_size} "
-             f"rollouts on {t.accelerator} x{t.devices * t.num_nodes}, seed {cfg.seed} | run folder {run_dir}"]
+             f"  {plural(t.iterations, 'iteration')} of {plural(cfg.rollout.tasks_per_batch, 'task')} x "
+             f"{plural(cfg.rollout.group_size, 'rollout')} on {t.accelerator} x{t.devices * t.num_nodes}, "
+             f"seed {cfg.seed} | run folder {run_dir}"]
     if mlflow_run:
         lines.append(f"  MLflow run {mlflow_run} in {tracking_uri(cfg)} (experiment {cfg.logger.experiment})")
     return lines

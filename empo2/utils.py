@@ -57,3 +57,8 @@ def make_run_dir(run_root: str, run_name: str | None) -> Path:
     path = Path(run_root).expanduser() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def plural(n: int, word: str) -> str:
+    """`1 episode`, `2 episodes`: counts in console lines."""
+    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -21,6 +21,9 @@ def test_findings_say_only_what_the_history_holds():
     only_after = run_findings([{"iteration": 2, "val/score_nomem": 40.0, "rollout/episodes_memory": 0.0,
                                 "rollout/episodes_tipfree": 4.0, "rollout/score_tipfree": 5.0}])
     assert only_after == ["tip-free validation score (held out): 40.0 after training"]  # no tip rollouts: no line
+    one = run_findings([{"iteration": 0, "rollout/episodes_memory": 1.0, "rollout/score_memory": 25.0,
+                         "rollout/episodes_tipfree": 7.0, "rollout/score_tipfree": 0.0}])
+    assert one == ["training rollouts: 25.0 with tips (1 episode) vs 0.0 tip-free (7 episodes)"]
 
 
 def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path):
