@@ -55,16 +55,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def interrupt(signum=None, frame=None):
+    """The SIGINT handler of `empo2 train`: raises Interrupted (a second Ctrl-C then stops at once), but not in
+    the middle of a checkpoint write, which finishes first (`utils.uninterrupted`)."""
+    import signal
+
+    from empo2.errors import Interrupted
+    from empo2.utils import hold_interrupt
+
+    if hold_interrupt(interrupt):
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise Interrupted()
+
+
 def _interruptible(run, cfg, overrides: list[str]):
     """`run()` with Ctrl-C turned into a report: the last finished iteration, its checkpoint and the exact
     command that resumes the run; exit status 130. A second Ctrl-C stops at once."""
     import signal
 
     from empo2.errors import Interrupted
-
-    def interrupt(signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise Interrupted()
 
     previous = signal.signal(signal.SIGINT, interrupt)
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +64,37 @@ def make_run_dir(run_root: str, run_name: str | None) -> Path:
 def plural(n: int, word: str) -> str:
     """`1 episode`, `2 episodes`: counts in console lines."""
     return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+# Ctrl-C held back while a block that must not be cut in half runs (a checkpoint write): a SIGINT handler
+# that raises would otherwise leave torch.save's zip writer half-written and its error would replace the
+# interrupt.
+_critical_depth = 0
+_held_interrupt: Callable[[], None] | None = None
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """Run a block to its end even if Ctrl-C comes: a handler that `hold_interrupt`s during it runs after it."""
+    global _critical_depth, _held_interrupt
+    _critical_depth += 1
+    try:
+        yield
+    except BaseException:
+        _critical_depth -= 1
+        if _critical_depth == 0:  # the block's own error stops the run; it is not replaced by the interrupt
+            _held_interrupt = None
+        raise
+    _critical_depth -= 1
+    if _critical_depth == 0 and _held_interrupt is not None:
+        act, _held_interrupt = _held_interrupt, None
+        act()
+
+
+def hold_interrupt(act: Callable[[], None]) -> bool:
+    """For a signal handler: inside an `uninterrupted` block, keep `act` for the block's end and return True."""
+    global _held_interrupt
+    if _critical_depth:
+        _held_interrupt = act
+        return True
+    return False

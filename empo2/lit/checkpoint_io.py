@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from empo2.faults import maybe_fail
+from empo2.utils import uninterrupted
 
 TMP_SUFFIX = ".tmp"
 
@@ -28,22 +29,23 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            maybe_fail("checkpoint", int(checkpoint.get("epoch", -1)))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)  # the rename itself must survive a power loss
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        with uninterrupted():  # a Ctrl-C waits for the write to end: the report then names this checkpoint
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save(checkpoint, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                maybe_fail("checkpoint", int(checkpoint.get("epoch", -1)))
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            dir_fd = os.open(path.parent, os.O_RDONLY)  # the rename itself must survive a power loss
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
 
 def remove_torn_writes(ckpt_dir: Path) -> list[Path]:
