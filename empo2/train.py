@@ -101,15 +101,21 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
     return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
 
 
+def checkpoint_files(ckpt_dir: Path) -> list[Path]:
+    """The checkpoint files in a folder, newest first. `last.ckpt` links to one of them (or, in a run folder
+    written before it became a link, is a file itself and counts); a link is never a candidate of its own,
+    nor is one left dangling by a target that was set aside."""
+    files = [p for p in ckpt_dir.glob("*.ckpt") if not p.is_symlink()]
+    return sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
-    """Newest checkpoint of the run that loads (`weights_only=True`: nothing in the file is executed).
+    """Newest checkpoint file of the run that loads (`weights_only=True`: nothing in the file is executed).
 
     A truncated or corrupt one is reported and renamed to `<name>.unreadable`: kept for inspection, and out
-    of the way of the next save, which Lightning would otherwise write as `last-v1.ckpt` beside the broken
-    `last.ckpt`, leaving the broken file as the run's `last.ckpt`.
+    of the way of the next save of that name.
     """
-    candidates = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in candidates:
+    for path in checkpoint_files(ckpt_dir):
         try:
             torch.load(path, map_location="cpu", weights_only=True)
             return path
@@ -136,12 +142,13 @@ def resume_run_name(cfg: TrainConfig) -> str | None:
         return name
     root = Path(cfg.run_root).expanduser()
     # run folders nest one level in grids and sweeps (<grid>/<preset>-s<seed>)
-    ckpts = [*root.glob("*/checkpoints/*.ckpt"), *root.glob("*/*/checkpoints/*.ckpt")]
+    ckpts = [c for c in (*root.glob("*/checkpoints/*.ckpt"), *root.glob("*/*/checkpoints/*.ckpt"))
+             if not c.is_symlink()]
     unfinished = {c.parent.parent for c in ckpts if not (c.parent.parent / "summary.json").is_file()}
     if not unfinished:
         raise ConfigError(f"resume=auto without run_name: no unfinished run under {root} to resume "
                           f"(give run_name=NAME, or resume=never for a new run)")
-    newest = max(unfinished, key=lambda d: max(p.stat().st_mtime for p in (d / "checkpoints").glob("*.ckpt")))
+    newest = max(unfinished, key=lambda d: checkpoint_files(d / "checkpoints")[0].stat().st_mtime)
     print(f"resume=auto: resuming the newest unfinished run, {newest}")
     return str(newest.relative_to(root))
 
@@ -278,10 +285,9 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     run_name = resume_run_name(cfg)
     check_tracking(cfg)
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from empo2.lit.callbacks import RolloutCallback
-    from empo2.lit.checkpoint_io import AtomicCheckpointIO, remove_torn_writes
+    from empo2.lit.checkpoint_io import LAST, AtomicCheckpointIO, IterationCheckpoint, remove_torn_writes
     from empo2.lit.data import RolloutDataModule
     from empo2.lit.module import EMPO2Module
     from empo2.lit.progress import IterationProgressBar
@@ -314,8 +320,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     collector = build_collector(cfg, model, tok, n_envs)
     rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks, train_val_tasks)
     ckpt_dir = run_dir / "checkpoints"
-    ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="iter-{epoch:04d}", every_n_epochs=cfg.trainer.ckpt_every,
-                              save_top_k=-1, save_last=True, save_on_train_epoch_end=True)
+    ckpt_cb = IterationCheckpoint(ckpt_dir, cfg.trainer.ckpt_every)
     logger = _logger(cfg, run_dir)
     progress = IterationProgressBar(rollout_cb)  # iteration k/N, return, success, memory size; a line per iteration
     trainer = L.Trainer(
@@ -371,7 +376,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         plot_curves(history, plot_path)
         # the resolved config, readable beside the run (and an MLflow artifact)
         atomic_write_bytes(config_path, OmegaConf.to_yaml(to_dict(cfg)).encode())
-    last = ckpt_dir / "last.ckpt"
+    last = ckpt_dir / LAST
     summary = {"metrics": final, "history": history, "config": to_dict(cfg),
                "checkpoint": str(last) if last.is_file() else None,
                "mlflow_run_id": logger.run_id if logger is not None else None,

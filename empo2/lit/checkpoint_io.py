@@ -1,10 +1,13 @@
 """Checkpoint files written atomically: a reader (a resume, `empo2 eval`) sees a whole checkpoint or none.
 
 Lightning's own writer streams into the target through an fsspec transaction whose temp file may sit on
-another filesystem and is never fsynced, so a kill or power loss can leave a truncated `last.ckpt` in
+another filesystem and is never fsynced, so a kill or power loss can leave a truncated checkpoint in
 place of the good one. Here the bytes go to a hidden temp file next to the target, are fsynced, and
 the temp file is renamed over the target (atomic within one filesystem); a kill before the rename leaves
 the previous checkpoint untouched plus a torn `.<name>.*.tmp` that resume ignores and removes.
+
+`IterationCheckpoint` writes one such file per checkpointed iteration and makes `last.ckpt` a link to it:
+one full write per checkpoint, not two.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from empo2.faults import maybe_fail
-from empo2.utils import uninterrupted
+from empo2.utils import fsync_path, uninterrupted
 
 TMP_SUFFIX = ".tmp"
+LAST = "last.ckpt"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,11 +46,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
-            dir_fd = os.open(path.parent, os.O_RDONLY)  # the rename itself must survive a power loss
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_path(path.parent)  # the rename itself must survive a power loss
 
 
 def remove_torn_writes(ckpt_dir: Path) -> list[Path]:
@@ -54,3 +55,40 @@ def remove_torn_writes(ckpt_dir: Path) -> list[Path]:
     for path in torn:
         path.unlink(missing_ok=True)
     return torn
+
+
+def point_link(link: Path, target_name: str) -> None:
+    """Make `link` a relative symlink to `target_name` in its folder, atomically: a new link is renamed over
+    the old one, so a kill leaves the old link or the new one, never none. Relative, so a moved or copied
+    run folder keeps a working link."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}{TMP_SUFFIX}")  # a leftover is a torn write: removed on resume
+    tmp.unlink(missing_ok=True)
+    os.symlink(target_name, tmp)
+    os.replace(tmp, link)
+    fsync_path(link.parent)
+
+
+class IterationCheckpoint(Checkpoint):
+    """After every `every`-th iteration, the whole training state to `iter-epoch=NNNN.ckpt` (kept: the run's
+    history), then `last.ckpt` pointed at it. `last.ckpt` is a symlink rather than a second copy of the same
+    bytes (weights and optimiser state: gigabytes and seconds per iteration for a real model); resume reads
+    the files themselves (`train.checkpoint_files`), so a link whose target was set aside as unreadable is
+    never tried.
+
+    A `Checkpoint` subclass, so Lightning calls it after every other callback's and the module's epoch-end
+    hook: the state it saves is the finished iteration's. Unlike ModelCheckpoint it also saves iterations
+    that took no optimiser step (a memory-only agent's: its state is the tip memory).
+    """
+
+    def __init__(self, dirpath: Path, every: int):
+        self.dirpath, self.every = Path(dirpath), every
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        iteration = trainer.current_epoch
+        if (iteration + 1) % self.every:
+            return
+        path = self.dirpath / f"iter-epoch={iteration:04d}.ckpt"  # the name Lightning's ModelCheckpoint gave them
+        # every rank takes part (sharded strategies gather), rank 0 writes; the full state: optimiser, callbacks
+        trainer.save_checkpoint(path, weights_only=False)
+        if trainer.is_global_zero:
+            point_link(self.dirpath / LAST, path.name)

@@ -75,7 +75,7 @@ def _assert_same(a: dict, b: dict) -> None:
 # ------------------------------------------------------------------------------------- kill and resume
 @pytest.mark.slow
 def test_sigkill_in_rollout_update_and_checkpoint_write_then_resume_equals_a_straight_run(tmp_path):
-    """One run is killed three times (iteration 1's rollout, iteration 2's update, iteration 3's checkpoint
+    """One run is killed three times (iteration 2's rollout, iteration 2's update, iteration 3's checkpoint
     write) and resumed with resume=auto each time; it must end exactly where a run that was never
     interrupted ends."""
     straight = _cli_train(FOUR + [f"run_root={tmp_path}", "run_name=straight"])
@@ -84,11 +84,14 @@ def test_sigkill_in_rollout_update_and_checkpoint_write_then_resume_equals_a_str
     ckpts = run / "checkpoints"
     args = FOUR + [f"run_root={tmp_path}", "run_name=killed", "resume=auto"]
 
-    # 1. During iteration 1's rollout: its tips were already in memory, in this process only.
-    proc = _cli_train(args, fault="rollout:1")
+    # 1. During iteration 2's rollout: its tips were already in memory, in this process only.
+    proc = _cli_train(args, fault="rollout:2")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["iter-epoch=0000.ckpt", "last.ckpt"]
-    # Damage the newest checkpoints: a truncated last.ckpt and a newer file of garbage bytes.
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["iter-epoch=0000.ckpt", "iter-epoch=0001.ckpt",
+                                                            "last.ckpt"]
+    assert os.readlink(ckpts / "last.ckpt") == "iter-epoch=0001.ckpt"  # a link to the newest, not a second copy
+    # Damage the newest checkpoints: a truncated last.ckpt (the file it names, iteration 1's) and a newer
+    # file of garbage bytes.
     data = (ckpts / "last.ckpt").read_bytes()
     (ckpts / "last.ckpt").write_bytes(data[: len(data) // 2])
     (ckpts / "zz-garbage.ckpt").write_bytes(os.urandom(4096))
@@ -99,21 +102,24 @@ def test_sigkill_in_rollout_update_and_checkpoint_write_then_resume_equals_a_str
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     unreadable = [ln for ln in lines if "is unreadable" in ln]
-    assert [Path(ln.split()[1]).name for ln in unreadable] == ["zz-garbage.ckpt", "last.ckpt"], proc.stdout
+    assert [Path(ln.split()[1]).name for ln in unreadable] == ["zz-garbage.ckpt", "iter-epoch=0001.ckpt"], \
+        proc.stdout
     assert f"resuming from {ckpts / 'iter-epoch=0000.ckpt'}" in lines
-    assert (ckpts / "last.ckpt.unreadable").read_bytes() == data[: len(data) // 2]  # kept aside, not retried
+    # kept aside, not retried
+    assert (ckpts / "iter-epoch=0001.ckpt.unreadable").read_bytes() == data[: len(data) // 2]
 
     # 3. During iteration 3's checkpoint write, between the temp file's fsync and its rename.
     proc = _cli_train(args, fault="checkpoint:3")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert f"resuming from {ckpts / 'last.ckpt'}" in proc.stdout.splitlines(), proc.stdout
+    assert f"resuming from {ckpts / 'iter-epoch=0001.ckpt'}" in proc.stdout.splitlines(), proc.stdout
     torn = list(ckpts.glob(".iter-epoch=0003.ckpt.*.tmp"))
     assert len(torn) == 1 and torn[0].stat().st_size > 0
     assert not (ckpts / "iter-epoch=0003.ckpt").exists()
+    assert os.readlink(ckpts / "last.ckpt") == "iter-epoch=0002.ckpt"
 
     proc = _cli_train(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming from {ckpts / 'last.ckpt'}" in proc.stdout.splitlines()
+    assert f"resuming from {ckpts / 'iter-epoch=0002.ckpt'}" in proc.stdout.splitlines()
     assert not torn[0].exists(), "the torn temp file of the killed write was left behind"
     assert torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 3
 
@@ -310,8 +316,10 @@ def test_consecutive_non_finite_steps_stop_the_run_with_a_checkpoint(tmp_path):
     assert ckpt["empo2_module"] == {"skipped_steps": 2, "consecutive_skips": 2}
     assert ckpt["epoch"] == 1
     # resume=auto goes back to the end of the last clean iteration, not to the middle of the failed one
-    assert find_resume_checkpoint(tmp_path / "r" / "checkpoints") == tmp_path / "r" / "checkpoints" / "last.ckpt"
-    last = torch.load(tmp_path / "r" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpts = tmp_path / "r" / "checkpoints"
+    assert find_resume_checkpoint(ckpts) == ckpts / "iter-epoch=0000.ckpt"
+    assert os.readlink(ckpts / "last.ckpt") == "iter-epoch=0000.ckpt"
+    last = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["epoch"] == 0
 
 
