@@ -229,6 +229,15 @@ class TrainerConfig:
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
     mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)
     micro_batch_size: int = opt(4, "Samples per forward/backward (gradient accumulation up to the mini-batch).", gt=0)
+    micro_batch_tokens: int | None = opt(None, "Cap on a micro-batch's padded size, rows x (longest prompt + "
+                                         "longest response) tokens; null: micro-batches of `micro_batch_size` "
+                                         "samples whatever their length. A mini-batch is cut, in order of size, "
+                                         "into micro-batches that stay within the cap, so the update's activation "
+                                         "memory is bounded by it rather than by the longest prompts: long samples "
+                                         "go in smaller micro-batches, short ones up to `micro_batch_size`. A lower "
+                                         "cap means more, smaller forward/backward passes (less work per call, "
+                                         "more calls); a sample larger than the cap trains alone. Same gradient "
+                                         "(the loss is normalised per mini-batch).", gt=0, nullable=True)
     gradient_checkpointing: bool = opt(False, "Recompute each decoder layer's activations in the backward pass "
                                        "instead of keeping them from the forward: the update's activation memory "
                                        "shrinks to about one layer's, for one more forward per micro-batch "

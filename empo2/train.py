@@ -305,7 +305,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     val_tasks = validation_tasks(cfg)
     train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []
     t = cfg.trainer
-    datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed)
+    datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed,
+                                   t.micro_batch_tokens)
     ref_policy = None
     if cfg.algo.kl_coef > 0 and cfg.model.lora_r == 0:  # with LoRA the reference is the base, adapters off
         import copy

@@ -131,6 +131,11 @@ class RolloutCallback(L.Callback):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             busiest = int(t.item())
         n_mini, micro_per_mini = step_counts(busiest, world, cfg.trainer.mini_batch_size, cfg.trainer.micro_batch_size)
+        if world > 1 and cfg.trainer.micro_batch_tokens is not None:  # the cut depends on each rank's sample sizes
+            need = torch.tensor([self.datamodule.micro_batches_needed(batch.samples, it, n_mini, rank)],
+                                device=pl_module.device)
+            dist.all_reduce(need, op=dist.ReduceOp.MAX)
+            micro_per_mini = int(need.item())
         self.datamodule.set_rollouts(batch.samples, old, it, n_mini, micro_per_mini)
         self.phase.set("update", 0, n_mini * cfg.trainer.ppo_epochs, it)
         steps = torch.tensor([len(batch.samples)], device=pl_module.device)  # one sample per environment step

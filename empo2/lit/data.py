@@ -95,8 +95,31 @@ class MicroBatch:
     closes_iteration: bool = False
 
 
+def cut_micro_batches(mini: list[int], micro_batch_size: int, lengths: list[int],
+                      prompt_lengths: list[int] | None = None, token_budget: int | None = None) -> list[list[int]]:
+    """A mini-batch (`mini`: sample indices, in the order to cut) as consecutive micro-batches of at most
+    `micro_batch_size` samples and, with `token_budget`, at most that many padded positions each: rows x
+    (longest prompt + longest response), the (B, P+T) input `collate` builds, so a forward/backward's
+    activations are bounded by the budget instead of by how long the longest samples happen to be. A sample
+    whose own size exceeds the budget takes a micro-batch alone (a sequence is never split)."""
+    micros: list[list[int]] = []
+    current: list[int] = []
+    for i in mini:
+        grown = current + [i]
+        over = token_budget is not None and len(grown) * (max(prompt_lengths[j] for j in grown)
+                                                          + max(lengths[j] for j in grown)) > token_budget
+        if current and (len(grown) > micro_batch_size or over):
+            micros.append(current)
+            grown = [i]
+        current = grown
+    if current:
+        micros.append(current)
+    return micros
+
+
 def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int, micro_per_mini: int | None,
-               generator: torch.Generator, sizes: list[int] | None = None) -> list[list[MicroBatch]]:
+               generator: torch.Generator, prompt_lengths: list[int] | None = None,
+               token_budget: int | None = None) -> list[list[MicroBatch]]:
     """The mini-batches of one PPO epoch over samples with these response lengths: one shuffle, split into
     `num_mini_batches` parts whose sizes differ by at most one, so every sample counts exactly once per
     epoch (a rank with fewer samples than its peers gets smaller mini-batches, never repeated ones).
@@ -105,20 +128,23 @@ def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int,
     rank with fewer samples than mini-batches still takes part in each step: missing micro-batches are
     zero-weight repeats of one sample, contributing a zero gradient to the all-reduce.
 
-    With `sizes` (padded length of each sample: prompt + response tokens) a mini-batch is cut into
-    micro-batches in order of size, so each micro-batch pads to a length close to its own samples'. What a
-    mini-batch holds, and so its gradient (the loss is normalised per mini-batch, not per micro-batch), is
-    the same either way; only the padding shrinks.
+    With `prompt_lengths` a mini-batch is cut into micro-batches in order of padded size (prompt + response
+    tokens), so each micro-batch pads to a length close to its own samples'; with `token_budget` too, no
+    micro-batch pads to more positions than the budget (`cut_micro_batches`). What a mini-batch holds, and so
+    its gradient (the loss is normalised per mini-batch, not per micro-batch), is the same either way; only
+    the padding and the size of each forward/backward change.
     """
+    if token_budget is not None and prompt_lengths is None:
+        raise ValueError("a token budget needs the prompt lengths: the padded size depends on them")
     n = len(lengths)
     order = torch.randperm(n, generator=generator).tolist()
     plan = []
     for k in range(num_mini_batches):  # part k: the same split as numpy's array_split
         lo, hi = k * n // num_mini_batches, (k + 1) * n // num_mini_batches
         mini = order[lo:hi]
-        if sizes is not None:
-            mini = sorted(mini, key=lambda i: sizes[i])  # stable: ties keep the shuffled order
-        micros = [mini[m:m + micro_batch_size] for m in range(0, len(mini), micro_batch_size)]
+        if prompt_lengths is not None:
+            mini = sorted(mini, key=lambda i: prompt_lengths[i] + lengths[i])  # stable: ties keep the shuffled order
+        micros = cut_micro_batches(mini, micro_batch_size, lengths, prompt_lengths, token_budget)
         weights = [1.0] * len(micros)
         if micro_per_mini is not None:
             if len(micros) > micro_per_mini:
@@ -133,30 +159,41 @@ def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int,
     return plan
 
 
+def plan_iteration(samples: list[StepSample], iteration: int, num_mini_batches: int, ppo_epochs: int,
+                   micro_batch_size: int, token_budget: int | None, micro_per_mini: int | None, seed: int,
+                   rank: int) -> list[list[MicroBatch]]:
+    """The mini-batches of all `ppo_epochs` passes of one iteration, in order. Each epoch's plan has its own
+    seed, a function of (seed, iteration, epoch, rank) only, so a resumed run plans the same."""
+    lengths = [len(s.response_ids) for s in samples]
+    prompt_lengths = [len(s.train_ids) for s in samples]  # the prompt the update pads
+    plan: list[list[MicroBatch]] = []
+    for epoch in range(ppo_epochs):
+        g = torch.Generator().manual_seed(derive_seed(seed, iteration, epoch, rank))
+        plan += plan_epoch(lengths, num_mini_batches, micro_batch_size, micro_per_mini, g, prompt_lengths,
+                           token_budget)
+    return plan
+
+
 class _MicroBatchStream(IterableDataset):
-    """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches (`plan_epoch`); each pass over
-    the stream produces a new buffer first, so one DataLoader serves every iteration.
+    """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches (`plan_iteration`); each pass
+    over the stream produces a new buffer first, so one DataLoader serves every iteration.
 
     One micro-batch per training step keeps exactly one forward and one backward per step, which is
     what DDP's gradient reducer expects."""
 
     def __init__(self, buffer: RolloutBuffer, producer: Callable[[], None], ppo_epochs: int,
-                 micro_batch_size: int, seed: int, rank: int):
+                 micro_batch_size: int, token_budget: int | None, seed: int, rank: int):
         self.buffer, self.producer, self.ppo_epochs = buffer, producer, ppo_epochs
-        self.micro, self.seed, self.rank = micro_batch_size, seed, rank
+        self.micro, self.token_budget, self.seed, self.rank = micro_batch_size, token_budget, seed, rank
 
     def __iter__(self):
         self.producer()
         buf = self.buffer
         if not buf.samples or buf.num_mini_batches == 0:
             return
-        lengths = [len(s.response_ids) for s in buf.samples]
-        sizes = [len(s.train_ids) + len(s.response_ids) for s in buf.samples]  # what the update pads to
-        micros: list[MicroBatch] = []
-        for epoch in range(self.ppo_epochs):  # each epoch's plan has its own seed: planned up front, it is the same
-            g = torch.Generator().manual_seed(derive_seed(self.seed, buf.iteration, epoch, self.rank))
-            for mini in plan_epoch(lengths, buf.num_mini_batches, self.micro, buf.micro_per_mini, g, sizes):
-                micros += mini
+        plan = plan_iteration(buf.samples, buf.iteration, buf.num_mini_batches, self.ppo_epochs, self.micro,
+                              self.token_budget, buf.micro_per_mini, self.seed, self.rank)
+        micros = [mb for mini in plan for mb in mini]
         micros[-1].closes_iteration = True
         yield from micros
 
@@ -171,12 +208,21 @@ def step_counts(busiest: int, world_size: int, mini_batch_size: int, micro_batch
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int, seed: int):
+    def __init__(self, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int, seed: int,
+                 token_budget: int | None = None):
         super().__init__()
         self.buffer = RolloutBuffer()
         self.ppo_epochs, self.seed = ppo_epochs, seed
-        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+        self.mini_batch_size, self.micro_batch_size, self.token_budget = mini_batch_size, micro_batch_size, token_budget
         self.producer: Callable[[], None] | None = None  # set by RolloutCallback.setup
+
+    def micro_batches_needed(self, samples: list[StepSample], iteration: int, num_mini_batches: int,
+                             rank: int) -> int:
+        """The most micro-batches any mini-batch of this rank's iteration is cut into: under a token budget
+        the count depends on the samples' sizes, so ranks agree on the largest before the update."""
+        plan = plan_iteration(samples, iteration, num_mini_batches, self.ppo_epochs, self.micro_batch_size,
+                              self.token_budget, None, self.seed, rank)
+        return max((len(mini) for mini in plan), default=0)
 
     def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int,
                      num_mini_batches: int, micro_per_mini: int | None = None) -> None:
@@ -188,8 +234,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self.producer is None:
             raise RuntimeError("RolloutDataModule needs a RolloutCallback in the Trainer to produce rollouts")
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        stream = _MicroBatchStream(self.buffer, self.producer, self.ppo_epochs, self.micro_batch_size, self.seed,
-                                   rank)
+        stream = _MicroBatchStream(self.buffer, self.producer, self.ppo_epochs, self.micro_batch_size,
+                                   self.token_budget, self.seed, rank)
         # batch_size=None: the stream already yields whole micro-batches; no worker processes, the buffer
         # lives in this process and changes every iteration
         return DataLoader(stream, batch_size=None, num_workers=0)

@@ -96,6 +96,37 @@ def test_mini_batch_gradient_does_not_depend_on_the_micro_batch_split(policy, ag
     assert any(g.abs().sum() > 0 for g in whole.values())
 
 
+def test_a_micro_batch_token_budget_leaves_the_mini_batch_gradient_unchanged(policy):
+    """Micro-batches cut by padded size (rows x longest prompt + response) instead of by count: the same
+    samples and normalisers per mini-batch, so the same gradient to float tolerance, in more and smaller
+    forward/backward passes, none over the budget unless it holds one sample."""
+    model, tok = policy
+    cfg = load_config(["model=tiny", "algo.kl_coef=0", "algo.entropy_coef=0.01"])
+    samples = _samples(model.config.vocab_size)
+    module = EMPO2Module(copy.deepcopy(model), tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+    module.buffer.old_logprobs = [lp + 0.3 * torch.randn(len(lp)) for lp in module.old_logprobs(samples, 4)]
+    lengths = [len(s.response_ids) for s in samples]
+    prompts = [len(s.train_ids) for s in samples]
+    budget = 60
+
+    def grads(token_budget):
+        module.policy.zero_grad(set_to_none=True)
+        plan = plan_epoch(lengths, 1, len(samples), None, torch.Generator().manual_seed(3), prompts, token_budget)
+        for micro in plan[0]:
+            loss, _, _ = module.micro_batch_loss(micro)
+            (loss * micro.weight).backward()
+            padded = len(micro.indices) * (max(prompts[i] for i in micro.indices) +
+                                           max(lengths[i] for i in micro.indices))
+            assert token_budget is None or padded <= token_budget or len(micro.indices) == 1
+        return len(plan[0]), {n: p.grad.clone() for n, p in module.policy.named_parameters()}
+
+    (n_whole, whole), (n_capped, capped) = grads(None), grads(budget)
+    assert (n_whole, n_capped) == (1, 5)  # the budget cut the one micro-batch into several
+    for name in whole:  # relative to each gradient's norm: single float32 entries near 0 carry rounding
+        assert (capped[name] - whole[name]).norm() <= 1e-5 * whole[name].norm(), name
+    assert any(g.abs().sum() > 0 for g in whole.values())
+
+
 def test_entropy_bonus_enters_the_loss(policy):
     model, tok = policy
     samples = _samples(model.config.vocab_size, n=4)

@@ -45,6 +45,8 @@ def test_every_field_is_documented():
         ("rollout.group_size=1", "rollout.group_size=1 is out of range: expected [2, inf)"),
         ("memory.top_k=0", "memory.top_k=0 is out of range: expected [1, inf)"),
         ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 is out of range: expected (0, inf)"),
+        ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens=0 is out of range: expected (0, inf)"),
+        ("trainer.micro_batch_tokens=lots", "trainer.micro_batch_tokens"),
         ("algo.mask_mode=word", "algo.mask_mode='word' is not allowed: expected one of ['token', 'sequence']"),
         ("algo.p=abc", "algo.p"),
         ("algo.foo=1", "algo.foo: unknown key"),
@@ -58,6 +60,11 @@ def test_bad_values_raise_one_line_naming_the_key(override, needle):
     msg = str(e.value)
     assert needle in msg
     assert "\n" not in msg
+
+
+def test_micro_batch_token_budget_is_off_by_default_and_takes_a_count():
+    assert load_config([]).trainer.micro_batch_tokens is None
+    assert load_config(["trainer.micro_batch_tokens=4096"]).trainer.micro_batch_tokens == 4096
 
 
 def test_cross_field_rule_micro_batch_fits_mini_batch():

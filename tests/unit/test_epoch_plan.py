@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from empo2.lit.data import plan_epoch, step_counts
+from empo2.lit.data import RolloutDataModule, cut_micro_batches, plan_epoch, plan_iteration, step_counts
+from empo2.rollout.types import StepSample
 
 
 def _check(plan, lengths, n_mini, micro_per_mini=None):
@@ -57,8 +58,9 @@ def test_length_grouping_changes_only_the_micro_batch_cut_and_shrinks_the_paddin
     n = 64
     lengths = [1 + int(x) for x in torch.randint(0, 8, (n,), generator=g)]  # response tokens
     sizes = [100 + int(x) for x in torch.randint(0, 280, (n,), generator=g)]  # prompt + response
+    prompts = [s - r for s, r in zip(sizes, lengths)]
     plain = plan_epoch(lengths, 4, 4, None, torch.Generator().manual_seed(1))
-    grouped = plan_epoch(lengths, 4, 4, None, torch.Generator().manual_seed(1), sizes)
+    grouped = plan_epoch(lengths, 4, 4, None, torch.Generator().manual_seed(1), prompts)
     _check(grouped, lengths, 4)
     for a, b in zip(plain, grouped):  # each mini-batch holds the same samples and normalisers
         assert sorted(i for mb in a for i in mb.indices) == sorted(i for mb in b for i in mb.indices)
@@ -73,8 +75,61 @@ def test_length_grouping_keeps_ranks_in_step():
     structures = []
     for rank, n in enumerate((70, 30)):
         lengths = [1 + i % 5 for i in range(n)]
-        sizes = [50 + (i * 37) % 200 for i in range(n)]
-        plan = plan_epoch(lengths, n_mini, 4, micro_per_mini, torch.Generator().manual_seed(rank), sizes)
+        prompts = [50 + (i * 37) % 200 for i in range(n)]
+        plan = plan_epoch(lengths, n_mini, 4, micro_per_mini, torch.Generator().manual_seed(rank), prompts)
         _check(plan, lengths, n_mini, micro_per_mini)
         structures.append([[mb.last for mb in mini] for mini in plan])
+    assert structures[0] == structures[1]
+
+
+def test_a_token_budget_cuts_where_rows_times_the_longest_prompt_plus_response_would_pass_it():
+    prompts, responses = [10, 20, 30, 40, 90], [2, 5, 1, 3, 20]
+    # rows x (longest prompt + longest response): [0,1] 2 x 25 = 50; adding 2 -> 3 x 35 = 105 > 100
+    assert cut_micro_batches([0, 1, 2, 3, 4], 4, responses, prompts, 100) == [[0, 1], [2, 3], [4]]
+    # [2,3] is 2 x 45 = 90; sample 4 alone is 110, over the budget: it still trains, alone
+    assert cut_micro_batches([0, 1, 2, 3, 4], 4, responses, prompts, 1000) == [[0, 1, 2, 3], [4]]
+    assert cut_micro_batches([0, 1, 2, 3, 4], 2, responses, prompts, None) == [[0, 1], [2, 3], [4]]
+    assert cut_micro_batches([4, 0], 4, responses, prompts, 50) == [[4], [0]]  # nothing is merged into a giant
+
+
+def test_a_token_budget_keeps_each_mini_batch_and_bounds_every_micro_batch():
+    g = torch.Generator().manual_seed(0)
+    n, budget = 64, 1200
+    lengths = [1 + int(x) for x in torch.randint(0, 8, (n,), generator=g)]
+    prompts = [100 + int(x) for x in torch.randint(0, 280, (n,), generator=g)]
+    grouped = plan_epoch(lengths, 4, 8, None, torch.Generator().manual_seed(1), prompts)
+    capped = plan_epoch(lengths, 4, 8, None, torch.Generator().manual_seed(1), prompts, budget)
+    _check(capped, lengths, 4)
+    for a, b in zip(grouped, capped):  # the same samples and normalisers per mini-batch: the same gradient
+        assert [i for mb in a for i in mb.indices] == [i for mb in b for i in mb.indices]
+        assert (a[0].num_tokens, a[0].num_seqs) == (b[0].num_tokens, b[0].num_seqs)
+        for mb in b:
+            padded = len(mb.indices) * (max(prompts[i] for i in mb.indices) + max(lengths[i] for i in mb.indices))
+            assert len(mb.indices) <= 8 and (padded <= budget or len(mb.indices) == 1)
+    assert sum(map(len, capped)) > sum(map(len, grouped))  # the budget did cut: more, smaller micro-batches
+
+
+def test_a_token_budget_without_prompt_lengths_is_refused():
+    with pytest.raises(ValueError, match="token budget needs the prompt lengths"):
+        plan_epoch([1, 2], 1, 2, None, torch.Generator().manual_seed(0), token_budget=10)
+
+
+def test_ranks_agree_on_the_micro_batch_count_their_token_budgets_need():
+    """Under a budget the cut depends on each rank's sample sizes: every rank runs the largest count any rank
+    needs (zero-weight padding elsewhere), so their backward passes stay in step."""
+    def samples(n, rank):
+        prompts = [[1] * (20 + (i * 53 + rank * 31) % 200) for i in range(n)]
+        return [StepSample(behaviour_ids=p, train_ids=p, response_ids=[2] * (1 + i % 6), memory=False,
+                           offpolicy=False, group_id=0, traj_id=i, step=0) for i, p in enumerate(prompts)]
+
+    per_rank = [samples(40, 0), samples(25, 1)]
+    dm = RolloutDataModule(ppo_epochs=2, mini_batch_size=16, micro_batch_size=8, seed=0, token_budget=600)
+    n_mini, _ = step_counts(40, 2, 16, 8)
+    needed = [dm.micro_batches_needed(s, 3, n_mini, rank) for rank, s in enumerate(per_rank)]
+    assert needed[0] != needed[1]  # left alone, the ranks would run different numbers of backward passes
+    structures = []
+    for rank, s in enumerate(per_rank):
+        plan = plan_iteration(s, 3, n_mini, 2, 8, 600, max(needed), 0, rank)
+        structures.append([[mb.last for mb in mini] for mini in plan])
+        assert all(len(mini) == max(needed) for mini in plan)
     assert structures[0] == structures[1]
