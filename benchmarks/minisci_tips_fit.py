@@ -1,8 +1,9 @@
-"""How well the cached `minisci-tips` prior fits its own training data, per kind of example.
+"""How well the cached `minisci-tips` prior fits its own training data, per kind of sequence and target.
 
-For 96 random training examples of each kind (tip-free action, action with a tip block, tip request):
-mean loss per target token and how many targets greedy decoding reproduces exactly. An ability whose
-training loss is still high was not learned, whatever the calibration shows; `act_with_tips` below `act`
+For 48 random training sequences of each kind (whole episodes: gold tip-free, gold with tips, misled by a
+wrong tip, exploration): mean loss per target token of the actions and of the hindsight tip, and how many
+actions / tips greedy decoding (teacher-forced) reproduces exactly. An ability whose training loss is still
+high was not learned, whatever the calibration shows; actions `with_tips` fitting better than `tip_free`
 means the tips in the prompt are read.
 
     python benchmarks/minisci_tips_fit.py
@@ -16,12 +17,23 @@ import statistics
 import torch
 
 from empo2.models import _load_local
-from empo2.prior import HISTORY_TURNS, MAX_PROMPT_TOKENS, MAX_REQUEST_TOKENS, _batch, ready_path
-from empo2.prior_tips import TIP_FREE, TIP_REQUEST, WITH_TIPS, TipPriorSettings, dev_episodes, tip_examples
-from empo2.rollout.prompts import PromptBuilder
+from empo2.prior import TARGET, _batch, ready_path
+from empo2.prior_tips import KINDS, TipPriorSettings, dev_episodes, prompt_builder, training_sequences
 
 
-def main(per_kind: int = 96, batch: int = 16) -> None:
+def spans(kinds: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of TARGET positions: one per action, the last one the tip."""
+    out, start = [], None
+    for i, k in enumerate(kinds + [None]):
+        if k == TARGET and start is None:
+            start = i
+        elif k != TARGET and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def main(per_kind: int = 48, batch: int = 8) -> None:
     torch.set_num_threads(2)
     settings = TipPriorSettings()
     path = ready_path("minisci-tips", settings)
@@ -29,26 +41,30 @@ def main(per_kind: int = 96, batch: int = 16) -> None:
         raise SystemExit("no minisci-tips with the current settings: build it first (any run with model=minisci_tips)")
     model, tok = _load_local(path, torch.float32)  # the tokenizer it was trained with
     model.eval()
-    builder = PromptBuilder(tok, max_prompt_tokens=MAX_PROMPT_TOKENS, history_turns=HISTORY_TURNS,
-                            max_request_tokens=MAX_REQUEST_TOKENS)
-    examples = tip_examples(builder, dev_episodes(settings), settings)
+    sequences = training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
     rng = random.Random(0)
-    print("| kind | loss per target token | greedy target exact |\n|---|---|---|")
-    for kind in (TIP_FREE, WITH_TIPS, TIP_REQUEST):
-        pool = rng.sample([(p, a) for k, p, a in examples if k == kind], per_kind)
-        losses, exact = [], 0
+    print("| sequences | action loss per token | actions exact | tip loss per token | tips exact |\n|---|---|---|---|---|")
+    for kind in KINDS:
+        pool = rng.sample([(ids, kinds) for k, ids, kinds in sequences if k == kind], per_kind)
+        acts, tips = [], []  # (loss per token, exact) per span
         for i in range(0, len(pool), batch):
-            ids, mask, labels = _batch(pool[i:i + batch], tok.pad_token_id)
+            chunk = pool[i:i + batch]
+            ids, mask, _ = _batch(chunk, tok.pad_token_id)
             with torch.no_grad():
-                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V)
-            target = labels[:, 1:]  # (B, T-1): token t is predicted at position t-1
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100,
-                                                    reduction="none")
-            for r in range(target.shape[0]):
-                m = target[r] != -100
-                losses.append(nll[r][m].mean().item())
-                exact += bool((logits[r].argmax(-1)[m] == target[r][m]).all())
-        print(f"| {kind} | {statistics.fmean(losses):.3f} | {exact}/{per_kind} |")
+                logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+            for r, (_, kinds) in enumerate(chunk):
+                found = spans(kinds)
+                for j, (a, b) in enumerate(found):  # token t is predicted at position t - 1
+                    row = (nll[r, a - 1:b - 1].mean().item(),
+                           bool((logits[r, a - 1:b - 1].argmax(-1) == ids[r, a:b]).all()))
+                    (tips if j == len(found) - 1 else acts).append(row)
+
+        def cell(rows):
+            return (f"{statistics.fmean(x for x, _ in rows):.3f}", f"{sum(e for _, e in rows)}/{len(rows)}") \
+                if rows else ("-", "-")
+
+        print(f"| {kind} | {' | '.join(cell(acts))} | {' | '.join(cell(tips))} |")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ class ModelConfig:
                     "`minisci-bc`: a 0.7M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
                     "for an instruct LLM (built on first use, see empo2/prior.py); `minisci-tips`: the same size, "
                     "also trained to act on tips and to write hindsight tips, meant to make the memory live on a "
-                    "CPU; its calibration is in the README (empo2/prior_tips.py); "
+                    "CPU; it selects the prompt layout it was trained on (rollout=whole_chat); its calibration is "
+                    "in the README (empo2/prior_tips.py); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
                     choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "hf",
                              "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
@@ -348,6 +349,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 _check_field(prefix + f.name, f, getattr(obj, f.name))
     if cfg.model.name == "hf" and not cfg.model.path:
         raise ConfigError("model.path is required when model.name=hf: give a local checkpoint directory")
+    if cfg.model.name == "minisci-tips" and (cfg.rollout.history_turns is not None or not cfg.rollout.tips_in_history):
+        key, value = (("rollout.history_turns", cfg.rollout.history_turns) if cfg.rollout.history_turns is not None
+                      else ("rollout.tips_in_history", False))
+        raise ConfigError(f"{key}={value} is not allowed with model.name=minisci-tips: it was trained on the whole "
+                          "chat with each turn's tips kept; set rollout=whole_chat, which model=minisci_tips selects (rollout.history_turns=null "
+                          "rollout.tips_in_history=true)")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
     if cfg.env.name != "minisci":

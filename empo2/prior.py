@@ -91,29 +91,50 @@ def gold_episodes(settings: BCSettings) -> list[tuple[str, list[tuple[str, str]]
     return episodes
 
 
+# What the loss does with the token at each position of a training sequence: predict it as a target, predict
+# it as context with weight `lm_weight` (dense next-token signal, as pretraining gives an LLM), or skip it.
+CONTEXT, TARGET, IGNORED = 0, 1, -1
+_PAD = -2
+
+
+def as_sequence(prompt: list[int], target: list[int]) -> tuple[list[int], list[int]]:
+    """(ids, kinds) of one prompt followed by its target."""
+    return prompt + target, [CONTEXT] * len(prompt) + [TARGET] * len(target)
+
+
 def clone_examples(builder, episodes) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, action ids + end of turn) per gold step, built by the collector's own PromptBuilder."""
+    """(ids, kinds) per gold step: the collector's own prompt (built by its PromptBuilder), then the action and
+    end of turn as the target."""
     eos = builder.tokenizer.eos_token_id
     examples = []
     for task, turns in episodes:
         for t, (obs, action) in enumerate(turns):
             prompt = builder.build(task, turns[:t], obs).ids
-            examples.append((prompt, builder.tokenizer.encode(action, add_special_tokens=False) + [eos]))
+            examples.append(as_sequence(prompt, builder.tokenizer.encode(action, add_special_tokens=False) + [eos]))
     return examples
 
 
 def _batch(examples, pad_id: int):
-    """Right-padded (input_ids, attention_mask, labels) with labels only on the action tokens."""
-    width = max(len(p) + len(a) for p, a in examples)
+    """Right-padded (input_ids, attention_mask, kinds); padded positions have kind `_PAD`."""
+    width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # (B, T)
-    labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
-    for i, (p, a) in enumerate(examples):
-        n = len(p) + len(a)
-        ids[i, :n] = torch.tensor(p + a)
-        labels[i, len(p):n] = torch.tensor(a)
-        mask[i, :n] = 1
-    return ids, mask, labels
+    kinds = torch.full_like(ids, _PAD)
+    for i, (seq, k) in enumerate(examples):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        kinds[i, :len(seq)] = torch.tensor(k)
+    return ids, (kinds != _PAD).long(), kinds
+
+
+def clone_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor, lm_weight: float = 0.0):
+    """Mean NLL of the TARGET tokens + `lm_weight` x mean NLL of the CONTEXT tokens; returns (loss, target NLL).
+
+    logits (B, T, V) predict ids[:, t + 1] at position t, so the first token of a sequence is never scored.
+    """
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+    kind = kinds[:, 1:]
+    target = nll[kind == TARGET].mean()
+    loss = target + lm_weight * nll[kind == CONTEXT].mean() if lm_weight else target
+    return loss, target.detach()
 
 
 def _epoch_order(rng: random.Random, lengths: list[int], batch_size: int, by_length: bool) -> list[int]:
@@ -132,11 +153,11 @@ def _epoch_order(rng: random.Random, lengths: list[int], batch_size: int, by_len
 
 
 def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc",
-                    by_length: bool = False) -> dict:
-    """Cross-entropy on the target tokens, AdamW with a cosine schedule; returns training stats. `by_length`
-    batches examples of similar length together (worth it when lengths spread widely)."""
+                    by_length: bool = False, lm_weight: float = 0.0) -> dict:
+    """`clone_loss` over (ids, kinds) sequences, AdamW with a cosine schedule; returns training stats.
+    `by_length` batches sequences of similar length together (worth it when lengths spread widely)."""
     rng = random.Random(settings.seed)
-    lengths = [len(p) + len(a) for p, a in examples]
+    lengths = [len(ids) for ids, _ in examples]
     steps = max(1, math.ceil(settings.epochs * len(examples) / settings.batch_size))
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -147,14 +168,16 @@ def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=prin
         if len(order) < settings.batch_size:
             order += _epoch_order(rng, lengths, settings.batch_size, by_length)
         batch, order = [examples[i] for i in order[: settings.batch_size]], order[settings.batch_size:]
-        ids, mask, labels = _batch(batch, pad_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ids, _, kinds = _batch(batch, pad_id)
+        # No attention mask: padding is on the right and attention is causal, so no real position ever sees a
+        # pad token, and the unmasked causal kernel skips the masked half of the attention (~30% per step).
+        loss, target_nll = clone_loss(model(input_ids=ids).logits, ids, kinds, lm_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(target_nll.item())
         if step % 50 == 0 or step == steps - 1:
             log(f"{name}: step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
                 f"({time.perf_counter() - t0:.0f} s)")

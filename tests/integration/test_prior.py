@@ -1,6 +1,7 @@
 """The `minisci-bc` policy: cloned only from dev variations, on the collector's own prompts, and the
 cloning loop learns; the cache is built once, atomically, and loads as a transformers checkpoint."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,18 @@ import torch
 
 from empo2.envs.minisci import catalogue
 from empo2.models import _load_local, build_bpe_tokenizer, build_tiny_model
-from empo2.prior import BCSettings, _batch, behaviour_clone, clone_examples, ensure_minisci_bc, gold_episodes
+from empo2.prior import (
+    CONTEXT,
+    IGNORED,
+    TARGET,
+    BCSettings,
+    _batch,
+    behaviour_clone,
+    clone_examples,
+    clone_loss,
+    ensure_minisci_bc,
+    gold_episodes,
+)
 from empo2.rollout.prompts import PromptBuilder
 
 SMALL = BCSettings(houses_per_variation=1, epochs=0.02, hidden_size=32, num_layers=1, vocab_size=300)
@@ -43,17 +55,39 @@ def test_examples_are_the_collectors_prompts_with_the_action_and_end_of_turn_as_
     task, turns = episodes[0]
     examples = clone_examples(builder, [(task, turns)])
     assert len(examples) == len(turns)
-    for t, ((prompt, target), (obs, action)) in enumerate(zip(examples, turns)):
-        assert prompt == builder.build(task, turns[:t], obs).ids
-        assert target[-1] == tok.eos_token_id
+    for t, ((ids, kinds), (obs, action)) in enumerate(zip(examples, turns)):
+        prompt = builder.build(task, turns[:t], obs).ids
+        target = ids[len(prompt):]
+        assert ids[:len(prompt)] == prompt and set(kinds[:len(prompt)]) == {CONTEXT}
+        assert kinds[len(prompt):] == [TARGET] * len(target) and target[-1] == tok.eos_token_id
         assert tok.decode(target[:-1]) == action
 
 
-def test_batch_labels_only_the_action_tokens():
-    ids, mask, labels = _batch([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0)
+def test_batch_pads_and_keeps_each_positions_kind():
+    ids, mask, kinds = _batch([([5, 6, 7, 8, 9], [0, 0, 0, 1, 1]), ([5, 8], [0, 1])], pad_id=0)
     assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 8, 0, 0, 0]]
     assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert labels.tolist() == [[-100, -100, -100, 8, 9], [-100, 8, -100, -100, -100]]
+    assert kinds.tolist() == [[0, 0, 0, 1, 1], [0, 1, -2, -2, -2]]
+
+
+def test_clone_loss_against_hand_computed_values():
+    """Uniform logits over 4 tokens except where they favour the next token: NLLs are log(4) or
+    -log(e / (e + 3)); targets and context are averaged separately, padding and IGNORED never count."""
+    ids = torch.tensor([[0, 1, 2, 3], [0, 2, 0, 0]])
+    kinds = torch.tensor([[CONTEXT, CONTEXT, TARGET, IGNORED], [CONTEXT, TARGET, -2, -2]])
+    logits = torch.zeros(2, 4, 4)
+    logits[0, 1, 2] = 1.0  # position 1 predicts token 2 (a target) with logit 1
+    logits[0, 0, 1] = 1.0  # position 0 predicts token 1 (context) with logit 1
+    logits[0, 2, 0] = 50.0  # position 2 predicts token 3, IGNORED: a huge loss that must not count
+    hit, flat = -math.log(math.e / (math.e + 3)), math.log(4)
+    loss, target = clone_loss(logits, ids, kinds)
+    assert target.item() == pytest.approx((hit + flat) / 2) and loss.item() == pytest.approx((hit + flat) / 2)
+    loss, target = clone_loss(logits, ids, kinds, lm_weight=0.5)
+    assert loss.item() == pytest.approx((hit + flat) / 2 + 0.5 * hit)  # context: position 0 only
+    # as transformers scores labels when lm_weight is 0
+    labels = torch.where(kinds == TARGET, ids, torch.full_like(ids, -100))
+    hf = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 4), labels[:, 1:].reshape(-1))
+    assert clone_loss(logits, ids, kinds)[0].item() == pytest.approx(hf.item())
 
 
 def test_cloning_fits_a_handful_of_demonstrations(episodes):
@@ -61,16 +95,17 @@ def test_cloning_fits_a_handful_of_demonstrations(episodes):
     builder = PromptBuilder(tok, max_prompt_tokens=512, history_turns=2)
     examples = clone_examples(builder, episodes[:1])
     model = build_tiny_model(tok, seed=0, hidden_size=64, num_layers=1)
-    ids, mask, labels = _batch(examples, tok.pad_token_id)
+    ids, mask, kinds = _batch(examples, tok.pad_token_id)
     with torch.no_grad():
-        before = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+        before = clone_loss(model(input_ids=ids, attention_mask=mask).logits, ids, kinds)[0].item()
     settings = replace(SMALL, epochs=120, batch_size=len(examples), lr=1e-2)
     stats = behaviour_clone(model, examples, settings, tok.pad_token_id, log=lambda _: None)
     with torch.no_grad():
-        after = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+        after = clone_loss(model(input_ids=ids, attention_mask=mask).logits, ids, kinds)[0].item()
     assert stats["steps"] == 120
     assert after < 0.1 * before, (before, after)
-    prompt, target = examples[0]  # greedy decoding now reproduces a demonstrated action
+    seq, kinds0 = examples[0]  # greedy decoding now reproduces a demonstrated action
+    prompt, target = seq[:kinds0.index(TARGET)], seq[kinds0.index(TARGET):]
     out = model.generate(torch.tensor([prompt]), max_new_tokens=len(target), do_sample=False)
     assert out[0, len(prompt):].tolist() == target
 

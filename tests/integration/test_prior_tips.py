@@ -1,6 +1,6 @@
 """The `minisci-tips` policy's data: dev variations only, the collector's own prompts (tip blocks as the
-collector formats them, the whole episode in the tip request), hindsight tips that say only what the
-episode's observations showed, actions with tips that follow what the tips say, and a cache built once."""
+collector formats them, every step's prompt a prefix of its episode's chat), hindsight tips that say only what
+the episode's observations showed, actions with tips that follow what the tips say, and a cache built once."""
 
 import pytest
 import torch
@@ -11,19 +11,23 @@ from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.models import _load_local, build_bpe_tokenizer
+from empo2.prior import CONTEXT, IGNORED, TARGET
 from empo2.prior_tips import (
+    EXPLORER,
+    MISLED,
     TIP_FREE,
-    TIP_REQUEST,
     WITH_TIPS,
     TipPriorSettings,
     dev_episodes,
     ensure_minisci_tips,
+    episode_sequence,
     hindsight_tip,
-    tip_examples,
+    prompt_builder,
+    training_sequences,
 )
 from empo2.rollout.prompts import PromptBuilder
 
-SMALL = TipPriorSettings(epochs=0.01, hidden_size=32, num_layers=1, vocab_size=400)
+SMALL = TipPriorSettings(houses_per_variation=1, epochs=0.01, hidden_size=32, num_layers=1)  # a smaller vocabulary overflows the prompt budget
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,7 @@ def data():
 def builder(data):
     texts = [hindsight_tip(e) for inst in data[:20] for e in inst.episodes]
     texts += [t for inst in data[:20] for e in inst.episodes for pair in e.turns for t in pair]
-    return PromptBuilder(build_bpe_tokenizer(texts, 400), max_prompt_tokens=512, history_turns=2,
-                         max_request_tokens=2048)
+    return prompt_builder(build_bpe_tokenizer(texts, 400))
 
 
 def test_every_episode_is_of_a_dev_variation_and_gold_paths_win(data):
@@ -71,29 +74,49 @@ def test_hindsight_tips_state_only_what_the_episode_observed(data):
                 assert f"focus on {ep.failed_focus}" in [a for _, a in ep.turns]
 
 
-def test_examples_are_the_collectors_prompts(data, builder):
-    examples = tip_examples(builder, data[:12], SMALL)
-    kinds = {k: [e for e in examples if e[0] == k] for k in (TIP_FREE, WITH_TIPS, TIP_REQUEST)}
-    gold_steps = sum(len(inst.gold.turns) for inst in data[:12])
-    misled_steps = sum(len(inst.misled.turns) for inst in data[:12] if inst.misled)
-    assert len(kinds[TIP_FREE]) == gold_steps
-    assert len(kinds[WITH_TIPS]) == gold_steps + misled_steps
-    assert len(kinds[TIP_REQUEST]) == SMALL.request_repeats * sum(len(inst.episodes) for inst in data[:12])
+def test_sequences_are_whole_episodes_of_the_collectors_prompts(data, builder):
+    """Each sequence is one episode's tip request chat plus its hindsight tip; every step's prompt, as the
+    collector builds it with that layout (tips kept in every turn), is a prefix of it, followed by the action
+    and end of turn, a TARGET except for exploration episodes, whose actions are not imitated."""
+    sequences = training_sequences(builder, data[:12], SMALL)
+    by_kind = {k: [s for s in sequences if s[0] == k] for k in (TIP_FREE, WITH_TIPS, MISLED, EXPLORER)}
+    assert len(by_kind[TIP_FREE]) == len(by_kind[WITH_TIPS]) == 12
+    assert len(by_kind[MISLED]) == sum(inst.misled is not None for inst in data[:12])
+    assert len(by_kind[EXPLORER]) == 12 * SMALL.explorers_per_house
     tok = builder.tokenizer
+    eos = tok.eos_token_id
     gold = data[0].gold
-    for t, (obs, action) in enumerate(gold.turns):  # tip-free acting: exactly the collector's prompt
-        _, prompt, target = kinds[TIP_FREE][t]
-        assert prompt == builder.build(gold.task, gold.turns[:t], obs).ids
-        assert target[-1] == tok.eos_token_id and tok.decode(target[:-1]) == action
-    for _, prompt, _ in kinds[WITH_TIPS]:
-        text = tok.decode(prompt)
-        block = text[text.index(TIP_HEADER):text.rindex("</tip>") + len("</tip>\n")]
-        tips = [line[len("<tip>"):-len("</tip>")] for line in block.splitlines()[1:]]
-        assert block == format_tip_block(tips)  # the collector's own block format
-    _, request, target = kinds[TIP_REQUEST][0]  # the whole episode, whatever history_turns says
-    assert request == builder.build_tip_request(gold.task, gold.turns, gold.final_obs)
-    assert all(obs.strip() in tok.decode(request) for obs, _ in gold.turns)
-    assert tok.decode(target[:-1]) == hindsight_tip(gold)
+    for (kind, ids, kinds), tips in ((by_kind[TIP_FREE][0], None), (by_kind[WITH_TIPS][0], "from the chat")):
+        text = tok.decode(ids)
+        if tips:  # the collector's own block, the same in every turn
+            block = text[text.index(TIP_HEADER):text.index("</tip>\n<|im_end|>") + len("</tip>\n")]
+            tips = [line[len("<tip>"):-len("</tip>")] for line in block.splitlines()[1:]]
+            assert block == format_tip_block(tips) and text.count(block) == len(gold.turns)
+        else:
+            assert TIP_HEADER not in text
+        for t, (obs, action) in enumerate(gold.turns):
+            prompt = builder.build(gold.task, gold.turns[:t], obs, tips, [tips] * t if tips else None).ids
+            target = tok.encode(action, add_special_tokens=False) + [eos]
+            assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(target)] == target
+            assert kinds[len(prompt):len(prompt) + len(target)] == [TARGET] * len(target)
+        request = builder.build_tip_request(gold.task, gold.turns, gold.final_obs,
+                                            history_tips=[tips] * len(gold.turns) if tips else None)
+        assert ids[:len(request)] == request and tok.decode(ids[len(request):-1]) == hindsight_tip(gold)
+        assert kinds[len(request):] == [TARGET] * (len(ids) - len(request)) and ids[-1] == eos
+        assert kinds.count(TARGET) == len(ids) - len(request) + sum(
+            len(tok.encode(a, add_special_tokens=False)) + 1 for _, a in gold.turns)
+    _, ids, kinds = by_kind[EXPLORER][0]  # exploration: only the tip is learned
+    explorer = data[0].explorers[0]
+    assert kinds.count(IGNORED) == sum(len(tok.encode(a, add_special_tokens=False)) + 1 for _, a in explorer.turns)
+    assert tok.decode([i for i, k in zip(ids, kinds) if k == TARGET][:-1]) == hindsight_tip(explorer)
+    assert set(kinds) <= {CONTEXT, TARGET, IGNORED}
+
+
+def test_a_layout_where_prompts_are_not_prefixes_of_the_chat_is_refused(data, builder):
+    windowed = PromptBuilder(builder.tokenizer, max_prompt_tokens=2048, history_turns=1, max_request_tokens=2048)
+    gold = next(inst.gold for inst in data if len(inst.gold.turns) > 2)
+    with pytest.raises(RuntimeError, match="not a prefix of the episode chat"):
+        episode_sequence(windowed, gold, None, TARGET)
 
 
 def test_acting_on_a_wrong_tip_follows_it_then_recovers(data, builder):
@@ -149,7 +172,7 @@ def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_one
     assert prior.ready_path("minisci-tips", SMALL) is None  # unfinished: no record written last
     (tmp_path / "shipped" / name / "empo2_source.json").write_text("{}")
     assert prior.ready_path("minisci-tips", SMALL) == tmp_path / "shipped" / name
-    other = prior.cache_dir(TipPriorSettings(epochs=0.02, hidden_size=32, num_layers=1, vocab_size=400),
+    other = prior.cache_dir(TipPriorSettings(epochs=0.02, hidden_size=32, num_layers=1),
                             "minisci-tips").name
     assert other != name  # a changed setting never picks up another build's copy
     cached = prior.cache_dir(SMALL, "minisci-tips")
