@@ -43,7 +43,8 @@ def main(per_kind: int = 48, batch: int = 8) -> None:
     model.eval()
     sequences = training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
     rng = random.Random(0)
-    print("| sequences | action loss per token | actions exact | tip loss per token | tips exact |\n|---|---|---|---|---|")
+    print("| sequences | action loss per token | actions exact | tip loss per token | tips exact |")
+    print("|---|---|---|---|---|")
     for kind in KINDS:
         pool = rng.sample([(ids, kinds) for k, ids, kinds in sequences if k == kind], per_kind)
         acts, tips = [], []  # (loss per token, exact) per span

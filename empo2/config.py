@@ -353,8 +353,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         key, value = (("rollout.history_turns", cfg.rollout.history_turns) if cfg.rollout.history_turns is not None
                       else ("rollout.tips_in_history", False))
         raise ConfigError(f"{key}={value} is not allowed with model.name=minisci-tips: it was trained on the whole "
-                          "chat with each turn's tips kept; set rollout=whole_chat, which model=minisci_tips selects (rollout.history_turns=null "
-                          "rollout.tips_in_history=true)")
+                          "chat with each turn's tips kept; set rollout=whole_chat, which model=minisci_tips selects "
+                          "(rollout.history_turns=null rollout.tips_in_history=true)")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
     if cfg.env.name != "minisci":

@@ -235,7 +235,8 @@ def episode_sequence(builder, ep: Episode, tips: list[str] | None, act: int) -> 
     return chat + tip, kinds + [TARGET] * len(tip)
 
 
-def training_sequences(builder, data: list[Instance], settings: TipPriorSettings) -> list[tuple[str, list[int], list[int]]]:
+def training_sequences(builder, data: list[Instance],
+                       settings: TipPriorSettings) -> list[tuple[str, list[int], list[int]]]:
     """(kind, ids, kinds) per training sequence, all from `builder`: per instance the gold episode tip-free
     (TIP_FREE) and with tips (WITH_TIPS), the misled episode with its wrong tip (MISLED), and the exploration
     episodes tip-free with their actions IGNORED (EXPLORER: only their hindsight tips are learned).

@@ -27,7 +27,8 @@ from empo2.prior_tips import (
 )
 from empo2.rollout.prompts import PromptBuilder
 
-SMALL = TipPriorSettings(houses_per_variation=1, epochs=0.01, hidden_size=32, num_layers=1)  # a smaller vocabulary overflows the prompt budget
+# the default vocabulary: with a smaller one, episodes overflow the prompt budget
+SMALL = TipPriorSettings(houses_per_variation=1, epochs=0.01, hidden_size=32, num_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_sequences_are_whole_episodes_of_the_collectors_prompts(data, builder):
     tok = builder.tokenizer
     eos = tok.eos_token_id
     gold = data[0].gold
-    for (kind, ids, kinds), tips in ((by_kind[TIP_FREE][0], None), (by_kind[WITH_TIPS][0], "from the chat")):
+    for (_, ids, kinds), tips in ((by_kind[TIP_FREE][0], None), (by_kind[WITH_TIPS][0], "from the chat")):
         text = tok.decode(ids)
         if tips:  # the collector's own block, the same in every turn
             block = text[text.index(TIP_HEADER):text.index("</tip>\n<|im_end|>") + len("</tip>\n")]
