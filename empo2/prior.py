@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-# Kept in step with PromptBuilder's settings in conf/rollout/default.yaml (max_prompt_tokens, history_turns,
-# max_tip_request_tokens), so the priors are trained on the prompts RL gives them.
+# Kept in step with PromptBuilder's settings in conf/rollout/default.yaml (max_prompt_tokens, history_turns), so
+# the clone is trained on the prompts RL gives it.
 HISTORY_TURNS = 2
 MAX_PROMPT_TOKENS = 512
-MAX_REQUEST_TOKENS = 2048
 
 
 @dataclass(frozen=True)
