@@ -1,10 +1,11 @@
 """How well the cached `minisci-tips` prior fits its own training data, per kind of sequence and target.
 
-For 48 random training sequences of each kind (whole episodes: gold tip-free, gold with tips, misled by a
-wrong tip, exploration): mean loss per target token of the actions and of the hindsight tip, and how many
+For 48 random training sequences of each kind (whole episodes: prior-driven tip-free, gold under tips that
+locate what is needed, a search under a tip that names a failed look-alike, prior-driven under another family's
+tips, misled by a wrong tip): mean loss per target token of the actions and of the hindsight tip, and how many
 actions / tips greedy decoding (teacher-forced) reproduces exactly. An ability whose training loss is still
-high was not learned, whatever the calibration shows; actions `with_tips` fitting better than `tip_free`
-means the tips in the prompt are read.
+high was not learned, whatever the calibration shows; actions under tips fitting as well as tip-free ones
+while they differ means the tips in the prompt are read.
 
     python benchmarks/minisci_tips_fit.py
 """

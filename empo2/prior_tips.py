@@ -5,21 +5,21 @@ the memory half of EMPO² is inert. This preset is the same 0.7M-parameter model
 *dev* variations only (never the variations RL trains, validates or tests on), with the collector's own
 `PromptBuilder`, to
 
-- act from the tip-free prompt: the gold action of each step. The gold path goes straight to rooms the
-  prompt gives no clue about, so the policy learns the action grammar and the usual order of a task but
-  has to guess where things are, and, like an LLM's prior, keeps falling for the look-alikes;
-- act on tips in its prompt, formatted exactly as the collector formats retrieved tips: hindsight tips of
-  the instance's own episodes (exploration episodes often saw what the gold path needs), another family's
-  tips (`irrelevant_rate`), or, in a misled episode, a tip that puts a sought thing in a wrong room, which
-  the policy follows and then recovers from: it learns to use what a tip says rather than to obey any tip;
+- act from the tip-free prompt as a prior-driven agent does: head for the room its prior points to and,
+  `trap_rate` of the time, focus on the look-alike waiting there (the trap every MiniSci family sets), else
+  search the house carefully;
+- act on tips in its prompt, formatted exactly as the collector formats retrieved tips: the instance's own
+  hindsight tips (one saying where the needed things are: the gold path; one saying only which look-alike
+  failed: a careful search that avoids it), another family's tips (nothing to use: as without tips), or a tip
+  that puts a sought thing in a wrong room (followed, then recovered from by searching): it learns to use what
+  a tip says rather than to obey any tip;
 - answer the tip request (the whole episode chat plus the request turn) with a one-line hindsight tip
   stating what the episode revealed: where the things the house hides were seen, which focus failed, and
   the final score. The labels are written at build time from the episode as it was played; at run time
   the tips come from the policy alone, never from the environment's hidden state.
 
-Exploration episodes are played by a scripted explorer: a walk through the house that prefers rooms
-it has not seen, ending on a `focus on` a visible thing (often a look-alike, as a prior-driven agent
-would); only their tips are learned, not their actions.
+The agents it imitates are scripted (`scripted`): they see the house only through the moves they make, except
+that the gold path and the search's last leg are planned on the true house, as every label here is.
 
 Two choices make reading learnable within a CPU build. The prompt layout is the released code's (the whole
 chat, each turn keeping its tips: `rollout=whole_chat`), so every step's prompt is a prefix of the episode chat
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from empo2.prior import CONTEXT, IGNORED, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
+from empo2.prior import CONTEXT, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
 
-# Kinds of training sequence (one whole episode each).
-TIP_FREE, WITH_TIPS, MISLED, EXPLORER = "tip_free", "with_tips", "misled", "explorer"
-KINDS = (TIP_FREE, WITH_TIPS, MISLED, EXPLORER)
+# Kinds of training sequence (one whole episode each; see `training_sequences`).
+TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
+KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED)
 # The prompt layout the prior is trained on, and so runs with (conf/rollout/whole_chat.yaml, which
 # `model=minisci_tips` selects): the whole chat, each turn keeping the tips its prompt carried (the released
 # code's layout), within one budget that holds a 10-step episode with tips.
@@ -54,16 +54,21 @@ MAX_PROMPT_TOKENS = 2048
 class TipPriorSettings(BCSettings):
     """Everything the cached model depends on (its hash names the cache folder)."""
 
-    houses_per_variation: int = 4  # each dev variation in this many houses: where things are varies, tips tell
-    explorers_per_house: int = 2  # exploration episodes per (instance, house): the tips' sources
-    explorer_steps: tuple[int, int] = (2, 7)  # walk length range before the closing focus
+    houses_per_variation: int = 3  # each dev variation in this many houses: where things are varies, tips tell
+    # How often the prior-driven (tip-free) agent takes the bait: heads for the room its prior points to and
+    # focuses on the look-alike there. Higher makes the trap harder for RL alone to escape (fewer tip-free wins
+    # to reinforce) and the memory's lesson starker; the rest of its episodes are careful searches.
+    trap_rate: float = 0.75
+    # Episodes end after this many steps, as they do at run time (the headline's env.max_steps), so the prior
+    # writes tips about cut episodes as it will have to; a whole episode with 3 tips per turn fits the budget.
+    max_turns: int = 10
     tips_per_prompt: tuple[int, int] = (1, 3)
-    irrelevant_rate: float = 0.2  # share of gold-step tip blocks whose tips come from another family
-    misled_rate: float = 0.5  # chance per (instance, house) of a misled episode (a wrong tip, followed)
+    irrelevant_rate: float = 0.5  # chance per instance of an episode under another family's tips (ignored)
+    misled_rate: float = 0.5  # chance per instance of an episode under a wrong tip (followed, then recovered)
     lm_weight: float = 0.3  # weight of the context tokens' next-token loss (targets weigh 1)
     batch_size: int = 12  # whole episodes of ~1,000 tokens
-    epochs: float = 5.5
-    version: int = 4
+    epochs: float = 5.0
+    version: int = 5
 
 
 @dataclass
@@ -104,13 +109,16 @@ def _record(env, ep: Episode) -> None:
             ep.sightings[thing] = world.location if room == "inventory" else room
 
 
-def play(env, family: str, variation: int, house: dict, actions) -> Episode:
-    """Play `actions` (a list, or a callable (env, step) -> action or None to stop) from a reset."""
+def play(env, family: str, variation: int, house: dict, actions, max_turns: int = 100,
+         must_win: bool = False) -> Episode:
+    """Play `actions` (a list, or a callable (env, step) -> action or None to stop) from a reset, for at most
+    `max_turns` steps; with `must_win`, an episode that ends before the cap without winning is an error (a
+    planner bug would teach the prior a losing path)."""
     obs, info = env.reset(task=family, variation=variation)
     ep = Episode(family, variation, house, info["task_description"], [], obs, {}, [], None, 0)
     _record(env, ep)
     step, score = 0, 0
-    while True:
+    while step < max_turns:
         action = actions(env, step) if callable(actions) else (actions[step] if step < len(actions) else None)
         if action is None:
             break
@@ -125,65 +133,79 @@ def play(env, family: str, variation: int, house: dict, actions) -> Episode:
         if result.done:
             break
     ep.final_obs, ep.score = obs, score
+    if must_win and score != 100 and step < max_turns:
+        raise RuntimeError(f"a scripted path of {family}/{variation} in house {house} does not win")
     return ep
 
 
-def explorer(rng: random.Random, steps: int):
-    """A prior-driven walk: unseen rooms first, then a `focus on` a visible thing (often a look-alike)."""
-    seen: set[str] = set()
+def scripted(rng: random.Random, trap: bool = False, first_room: str | None = None):
+    """A scripted agent. It walks to rooms it has not seen (first `first_room`, if given) until it has seen
+    everything the task needs, then follows the gold plan from where it stands. With `trap` it is the
+    prior-driven agent: it heads first for the room its prior points to, where the first look-alike waits, and
+    focuses on any look-alike it sees (which ends the episode at score 0)."""
+    from empo2.envs.minisci.layout import HUB, Planner
+
+    plan: list[str] = []
+    visited: set[str] = set()
+    found: set[str] = set()
+    planned = False
 
     def act(env, step: int) -> str | None:
-        world = env._world
-        seen.add(world.location)
-        valid = env.valid_actions()
-        if step < steps:
-            moves = [a for a in valid if a.startswith("go to ")]
-            fresh = [a for a in moves if a.removeprefix("go to ") not in seen]
-            if moves:
-                return rng.choice(fresh or moves)
-        if step == steps:
-            focus = [a for a in valid if a.startswith("focus on ")]
-            return rng.choice(focus) if focus else None
-        return None
-
-    return act
-
-
-def misled(room: str):
-    """A tip reader told that what it seeks is in `room`: it goes there first and, not finding it there,
-    follows the gold plan from where it stands (what trusting a wrong tip costs, and how to recover)."""
-    from empo2.envs.minisci.layout import Planner
-
-    actions: list[str] = []
-
-    def act(env, step: int) -> str | None:
-        if step == 0:
-            plan = Planner(env._world)
-            plan.go(room)
-            actions.extend(plan.actions)
-        if step == len(actions):  # arrived: plan the rest on the world as it now is
-            actions.extend(env._task.gold(env._world))
-        return actions[step] if step < len(actions) else None
+        nonlocal planned
+        world, task = env._world, env._task
+        if plan:
+            return plan.pop(0)
+        if planned:
+            return None
+        if trap:
+            tempting = [name for name in task.lookalikes if world.visible(name)]
+            if tempting:
+                return f"focus on {tempting[0]}"
+        visited.add(world.location)
+        found.update(thing for thing in task.sought if world.visible(thing))
+        rooms = sorted(set(world.rooms) - visited - {HUB})
+        head = first_room or (world.room_of(task.lookalikes[0]) if trap and task.lookalikes else None)
+        if head in rooms:
+            room = head
+        elif found >= set(task.sought) or not rooms:
+            planned = True
+            plan.extend(task.gold(world))
+            return plan.pop(0) if plan else None
+        else:
+            room = rng.choice(rooms)
+        walk = Planner(world)
+        walk.go(room)
+        plan.extend(walk.actions)
+        return plan.pop(0)
 
     return act
 
 
 @dataclass
 class Instance:
-    """One dev instance in one house: its gold episode, exploration episodes and (maybe) a misled one."""
+    """One dev instance in one house, as the agents the prior imitates play it."""
 
-    gold: Episode
-    explorers: list[Episode]
-    misled: Episode | None = None
-    wrong_tip: str | None = None  # the tip that misled it: the gold tip with a sought thing moved
+    gold: Episode  # the shortest winning path: what a reader does once its tips locate what the task needs
+    habit: Episode  # the prior-driven agent, trapped with probability `trap_rate`: the tip-free behaviour
+    search: Episode  # a careful agent that knows nothing yet: searches, takes no look-alike
+    misled: Episode | None = None  # told a wrong room by `wrong_tip`: goes there first, then searches
+    wrong_tip: str | None = None  # the gold tip with one sought thing moved to another room
 
     @property
     def episodes(self) -> list[Episode]:
-        return [self.gold, *self.explorers, *([self.misled] if self.misled else [])]
+        return [self.gold, self.habit, self.search, *([self.misled] if self.misled else [])]
+
+
+def locates(ep: Episode) -> bool:
+    """Whether the episode's hindsight tip says where every thing the house hides is."""
+    from empo2.envs.minisci.env import build
+    from empo2.envs.minisci.layout import Difficulty
+
+    return set(ep.sightings) >= set(build(ep.family, ep.variation, Difficulty(**ep.house))[1].sought)
 
 
 def dev_episodes(settings: TipPriorSettings) -> list[Instance]:
-    """Gold, exploration and misled episodes of every in-distribution dev instance and house draw."""
+    """The episodes of every in-distribution dev instance and house draw."""
     from empo2.envs import make_env
     from empo2.envs.minisci.layout import HUB
 
@@ -191,31 +213,26 @@ def dev_episodes(settings: TipPriorSettings) -> list[Instance]:
     out = []
     for family, variation, house in dev_instances(rng, settings.houses_per_variation):
         env = make_env("minisci", max_steps=100, **house)
+
         env.reset(task=family, variation=variation)
-        gold = play(env, family, variation, house, env.gold_actions())
-        if gold.score != 100:
-            raise RuntimeError(f"the gold path of {family}/{variation} in house {house} does not win")
-        explorers = [play(env, family, variation, house, explorer(rng, rng.randint(*settings.explorer_steps)))
-                     for _ in range(settings.explorers_per_house)]
-        inst = Instance(gold, explorers)
+        key, cap = (family, variation, house), settings.max_turns
+        gold = play(env, *key, env.gold_actions(), cap, must_win=True)
+        habit = play(env, *key, scripted(rng, trap=rng.random() < settings.trap_rate), cap)
+        inst = Instance(gold, habit, play(env, *key, scripted(rng), cap, must_win=True))
         if rng.random() < settings.misled_rate:
             thing = rng.choice(sorted(gold.sightings))
-            rooms = sorted(set(env._world.rooms) - {gold.sightings[thing], HUB})
-            room = rng.choice(rooms)
-            inst.misled = play(env, family, variation, house, misled(room))
-            if inst.misled.score != 100:
-                raise RuntimeError(f"the misled path of {family}/{variation} in house {house} does not win")
-            tip = hindsight_tip(gold)
-            inst.wrong_tip = tip.replace(f"{thing} in the {gold.sightings[thing]}", f"{thing} in the {room}")
+            room = rng.choice(sorted(set(env._world.rooms) - {gold.sightings[thing], HUB}))
+            inst.misled = play(env, *key, scripted(rng, first_room=room), cap, must_win=True)
+            inst.wrong_tip = hindsight_tip(gold).replace(f"{thing} in the {gold.sightings[thing]}",
+                                                         f"{thing} in the {room}")
         out.append(inst)
     return out
 
 
-def episode_sequence(builder, ep: Episode, tips: list[str] | None, act: int) -> tuple[list[int], list[int]]:
+def episode_sequence(builder, ep: Episode, tips: list[str] | None) -> tuple[list[int], list[int]]:
     """(ids, kinds) of one whole episode as the collector shows it with `tips` in every turn: the tip request
-    chat, then the hindsight tip as a TARGET. Each step's prompt is a prefix of this chat, so one sequence trains
-    every action (kind `act`: TARGET, or IGNORED for actions that should not be imitated) and the tip at once;
-    the prefix property is checked, not assumed."""
+    chat, then the hindsight tip, actions and tip as TARGETs. Each step's prompt is a prefix of this chat, so
+    one sequence trains every action and the tip at once; the prefix property is checked, not assumed."""
     tok = builder.tokenizer
 
     def target(text: str) -> list[int]:
@@ -230,20 +247,23 @@ def episode_sequence(builder, ep: Episode, tips: list[str] | None, act: int) -> 
         if chat[:len(prompt)] != prompt or chat[len(prompt):len(prompt) + len(ids)] != ids:
             raise RuntimeError("a step's prompt is not a prefix of the episode chat: this chat template or prompt "
                                "budget cannot train a whole episode in one sequence")
-        kinds[len(prompt):len(prompt) + len(ids)] = [act] * len(ids)
+        kinds[len(prompt):len(prompt) + len(ids)] = [TARGET] * len(ids)
     tip = target(hindsight_tip(ep))
     return chat + tip, kinds + [TARGET] * len(tip)
 
 
 def training_sequences(builder, data: list[Instance],
                        settings: TipPriorSettings) -> list[tuple[str, list[int], list[int]]]:
-    """(kind, ids, kinds) per training sequence, all from `builder`: per instance the gold episode tip-free
-    (TIP_FREE) and with tips (WITH_TIPS), the misled episode with its wrong tip (MISLED), and the exploration
-    episodes tip-free with their actions IGNORED (EXPLORER: only their hindsight tips are learned).
+    """(kind, ids, kinds) per training sequence, all from `builder`. Per instance, each episode is labelled
+    with the tips a reader of them would have acted on, so no label contradicts what its tips say:
 
-    Acting with tips is labelled with what a reader of those tips does: the gold path under the instance's own
-    (true) tips or another family's tips (nothing to use), the misled path under a tip that puts a sought thing
-    in the wrong room, so the action follows what the tip says and no label contradicts it.
+    - TIP_FREE: the prior-driven episode, no tips;
+    - LOCATED: the gold path, under 1-3 of the instance's own tips, one of which locates everything needed;
+    - SEARCH: the careful search, under the tip of a prior-driven episode that located nothing (it names the
+      look-alike whose focus failed, so a reader avoids it and searches);
+    - IRRELEVANT (`irrelevant_rate`): the prior-driven episode again, under another family's tips, which say
+      nothing about this house: a reader acts as without them;
+    - MISLED (`misled_rate`): the path that trusts a wrong tip (goes to the room it names) and then searches.
     """
     rng = random.Random(settings.seed + 1)
     tips_by_family: dict[str, list[str]] = {}
@@ -251,16 +271,22 @@ def training_sequences(builder, data: list[Instance],
         tips_by_family.setdefault(inst.gold.family, []).extend(hindsight_tip(e) for e in inst.episodes)
     out = []
     for inst in data:
-        gold = inst.gold
-        own = [hindsight_tip(e) for e in (gold, *inst.explorers)]
-        foreign = [t for f, tips in tips_by_family.items() if f != gold.family for t in tips]
-        pool = foreign if foreign and rng.random() < settings.irrelevant_rate else own
-        tips = rng.sample(pool, min(rng.randint(*settings.tips_per_prompt), len(pool)))
-        out.append((TIP_FREE, *episode_sequence(builder, gold, None, TARGET)))
-        out.append((WITH_TIPS, *episode_sequence(builder, gold, tips, TARGET)))
+        family = inst.gold.family
+        locating = [e for e in (inst.gold, inst.search) if locates(e)]
+        own = [hindsight_tip(rng.choice(locating))]
+        others = sorted({hindsight_tip(e) for e in (inst.gold, inst.habit, inst.search)} - {own[0]})
+        own += rng.sample(others, min(rng.randint(*settings.tips_per_prompt) - 1, len(others)))
+        rng.shuffle(own)
+        out.append((TIP_FREE, *episode_sequence(builder, inst.habit, None)))
+        out.append((LOCATED, *episode_sequence(builder, inst.gold, own)))
+        if not locates(inst.habit):
+            out.append((SEARCH, *episode_sequence(builder, inst.search, [hindsight_tip(inst.habit)])))
+        foreign = [t for f, tips in sorted(tips_by_family.items()) if f != family for t in tips]
+        if rng.random() < settings.irrelevant_rate and foreign:  # (a one-family subset of the data has none)
+            tips = rng.sample(foreign, min(rng.randint(*settings.tips_per_prompt), len(foreign)))
+            out.append((IRRELEVANT, *episode_sequence(builder, inst.habit, tips)))
         if inst.misled:
-            out.append((MISLED, *episode_sequence(builder, inst.misled, [inst.wrong_tip], TARGET)))
-        out += [(EXPLORER, *episode_sequence(builder, e, None, IGNORED)) for e in inst.explorers]
+            out.append((MISLED, *episode_sequence(builder, inst.misled, [inst.wrong_tip])))
     return out
 
 

@@ -11,17 +11,19 @@ from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.models import _load_local, build_bpe_tokenizer
-from empo2.prior import CONTEXT, IGNORED, TARGET
+from empo2.prior import CONTEXT, TARGET
 from empo2.prior_tips import (
-    EXPLORER,
+    IRRELEVANT,
+    LOCATED,
     MISLED,
+    SEARCH,
     TIP_FREE,
-    WITH_TIPS,
     TipPriorSettings,
     dev_episodes,
     ensure_minisci_tips,
     episode_sequence,
     hindsight_tip,
+    locates,
     prompt_builder,
     training_sequences,
 )
@@ -43,7 +45,7 @@ def builder(data):
     return prompt_builder(build_bpe_tokenizer(texts, 400))
 
 
-def test_every_episode_is_of_a_dev_variation_and_gold_paths_win(data):
+def test_every_episode_is_of_a_dev_variation_and_scripted_paths_win(data):
     cat = catalogue()
     dev = {(t, v) for t in cat.tasks() for v in cat.split(t, "dev")}
     # every in-distribution dev instance, in houses_per_variation house draws
@@ -52,12 +54,33 @@ def test_every_episode_is_of_a_dev_variation_and_gold_paths_win(data):
     for inst in data:
         gold = inst.gold
         assert (gold.family, gold.variation) in dev and gold.family not in cat.ood_tasks
-        assert gold.score == 100
-        assert len(inst.explorers) == SMALL.explorers_per_house
         assert all((e.family, e.variation, e.house) == (gold.family, gold.variation, gold.house)
                    for e in inst.episodes)
+        for ep in (gold, inst.search, *([inst.misled] if inst.misled else [])):  # won, or cut at max_turns
+            assert ep.score == 100 or len(ep.turns) == SMALL.max_turns
+        assert all(len(e.turns) <= SMALL.max_turns for e in inst.episodes)
     misled = sum(inst.misled is not None for inst in data)
     assert 0.3 * len(data) < misled < 0.7 * len(data)  # misled_rate 0.5
+
+
+def test_the_tip_free_agent_falls_for_the_trap_at_trap_rate_and_the_search_never_does(data):
+    """The prior-driven episode heads for the room the prior points to and focuses on the look-alike there
+    (about trap_rate of the houses that have one); the careful search never focuses on a look-alike."""
+    trapped = with_lookalikes = 0
+    for inst in data:
+        world, task = build(inst.gold.family, inst.gold.variation, Difficulty(**inst.gold.house))
+        assert all(a.removeprefix("focus on ") not in task.lookalikes for _, a in inst.search.turns)
+        if not task.lookalikes:
+            continue
+        with_lookalikes += 1
+        if inst.habit.failed_focus is not None:
+            trapped += 1
+            assert inst.habit.failed_focus in task.lookalikes and inst.habit.score == 0
+            # straight there: the look-alike it took is in the start room or the room its prior points to
+            assert inst.habit.failed_focus in (task.lookalikes[0], *[n for n in task.lookalikes
+                                                                     if world.room_of(n) == world.location])
+    assert with_lookalikes > 100
+    assert abs(trapped / with_lookalikes - SMALL.trap_rate) < 0.1
 
 
 def test_hindsight_tips_state_only_what_the_episode_observed(data):
@@ -75,54 +98,91 @@ def test_hindsight_tips_state_only_what_the_episode_observed(data):
                 assert f"focus on {ep.failed_focus}" in [a for _, a in ep.turns]
 
 
-def test_sequences_are_whole_episodes_of_the_collectors_prompts(data, builder):
-    """Each sequence is one episode's tip request chat plus its hindsight tip; every step's prompt, as the
-    collector builds it with that layout (tips kept in every turn), is a prefix of it, followed by the action
-    and end of turn, a TARGET except for exploration episodes, whose actions are not imitated."""
-    sequences = training_sequences(builder, data[:12], SMALL)
-    by_kind = {k: [s for s in sequences if s[0] == k] for k in (TIP_FREE, WITH_TIPS, MISLED, EXPLORER)}
-    assert len(by_kind[TIP_FREE]) == len(by_kind[WITH_TIPS]) == 12
-    assert len(by_kind[MISLED]) == sum(inst.misled is not None for inst in data[:12])
-    assert len(by_kind[EXPLORER]) == 12 * SMALL.explorers_per_house
+def _check_sequence(builder, ids, kinds, ep, tips):
+    """`ids` is `ep`'s tip request chat with `tips` in every turn (the collector's own block, the same in each
+    turn) plus its hindsight tip; each step's prompt, as the collector builds it, is a prefix of it, followed by
+    the action and end of turn as TARGETs, and nothing else is a target but the tip."""
     tok = builder.tokenizer
     eos = tok.eos_token_id
-    gold = data[0].gold
-    for (_, ids, kinds), tips in ((by_kind[TIP_FREE][0], None), (by_kind[WITH_TIPS][0], "from the chat")):
-        text = tok.decode(ids)
-        if tips:  # the collector's own block, the same in every turn
-            block = text[text.index(TIP_HEADER):text.index("</tip>\n<|im_end|>") + len("</tip>\n")]
-            tips = [line[len("<tip>"):-len("</tip>")] for line in block.splitlines()[1:]]
-            assert block == format_tip_block(tips) and text.count(block) == len(gold.turns)
+    text = tok.decode(ids)
+    if tips:
+        block = format_tip_block(tips)
+        assert text.count(block) == len(ep.turns)
+    else:
+        assert TIP_HEADER not in text
+    for t, (obs, action) in enumerate(ep.turns):
+        prompt = builder.build(ep.task, ep.turns[:t], obs, tips, [tips] * t if tips else None).ids
+        target = tok.encode(action, add_special_tokens=False) + [eos]
+        assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(target)] == target
+        assert kinds[len(prompt):len(prompt) + len(target)] == [TARGET] * len(target)
+    request = builder.build_tip_request(ep.task, ep.turns, ep.final_obs,
+                                        history_tips=[tips] * len(ep.turns) if tips else None)
+    assert ids[:len(request)] == request and tok.decode(ids[len(request):-1]) == hindsight_tip(ep)
+    assert kinds[len(request):] == [TARGET] * (len(ids) - len(request)) and ids[-1] == eos
+    assert kinds.count(TARGET) == len(ids) - len(request) + sum(
+        len(tok.encode(a, add_special_tokens=False)) + 1 for _, a in ep.turns)
+    assert set(kinds) <= {CONTEXT, TARGET}
+
+
+def _tips_of(builder, ids):
+    text = builder.tokenizer.decode(ids)
+    if TIP_HEADER not in text:
+        return None
+    block = text[text.index(TIP_HEADER):text.index("</tip>\n<|im_end|>") + len("</tip>\n")]
+    return [line[len("<tip>"):-len("</tip>")] for line in block.splitlines()[1:]]
+
+
+def test_each_episode_is_labelled_with_what_a_reader_of_its_tips_does(data, builder):
+    """TIP_FREE: the prior-driven episode without tips. LOCATED: the gold path under the instance's own tips,
+    one of which says where everything needed is. SEARCH: the careful search under the prior-driven episode's
+    tip, which located nothing (it names the failed look-alike). IRRELEVANT: the prior-driven episode again
+    under another family's tips. MISLED: the episode that trusts the wrong tip."""
+    insts = data[::12][:24]  # every family
+    sequences = iter(training_sequences(builder, insts, SMALL))  # instance by instance, kinds in this order
+    irrelevant = 0
+    for inst in insts:
+        own = {hindsight_tip(e) for e in (inst.gold, inst.habit, inst.search)}
+        kind, ids, kinds = next(sequences)
+        assert kind == TIP_FREE
+        _check_sequence(builder, ids, kinds, inst.habit, None)
+        kind, ids, kinds = next(sequences)
+        tips = _tips_of(builder, ids)
+        assert kind == LOCATED and 1 <= len(tips) <= 3 and set(tips) <= own
+        assert any(hindsight_tip(e) in tips for e in (inst.gold, inst.search) if locates(e))
+        _check_sequence(builder, ids, kinds, inst.gold, tips)
+        kind, ids, kinds = next(sequences)
+        if not locates(inst.habit):
+            assert kind == SEARCH and _tips_of(builder, ids) == [hindsight_tip(inst.habit)]
+            _check_sequence(builder, ids, kinds, inst.search, [hindsight_tip(inst.habit)])
+            kind, ids, kinds = next(sequences, (None, None, None))
+        if kind == IRRELEVANT:
+            tips = _tips_of(builder, ids)
+            own_family = {hindsight_tip(e) for other in data if other.gold.family == inst.gold.family
+                          for e in other.episodes}
+            assert tips and not set(tips) & own_family  # another family's tips: nothing about this house
+            _check_sequence(builder, ids, kinds, inst.habit, tips)
+            irrelevant += 1
+            kind, ids, kinds = next(sequences, (None, None, None))
+        if inst.misled:
+            assert kind == MISLED
+            _check_sequence(builder, ids, kinds, inst.misled, [inst.wrong_tip])
         else:
-            assert TIP_HEADER not in text
-        for t, (obs, action) in enumerate(gold.turns):
-            prompt = builder.build(gold.task, gold.turns[:t], obs, tips, [tips] * t if tips else None).ids
-            target = tok.encode(action, add_special_tokens=False) + [eos]
-            assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(target)] == target
-            assert kinds[len(prompt):len(prompt) + len(target)] == [TARGET] * len(target)
-        request = builder.build_tip_request(gold.task, gold.turns, gold.final_obs,
-                                            history_tips=[tips] * len(gold.turns) if tips else None)
-        assert ids[:len(request)] == request and tok.decode(ids[len(request):-1]) == hindsight_tip(gold)
-        assert kinds[len(request):] == [TARGET] * (len(ids) - len(request)) and ids[-1] == eos
-        assert kinds.count(TARGET) == len(ids) - len(request) + sum(
-            len(tok.encode(a, add_special_tokens=False)) + 1 for _, a in gold.turns)
-    _, ids, kinds = by_kind[EXPLORER][0]  # exploration: only the tip is learned
-    explorer = data[0].explorers[0]
-    assert kinds.count(IGNORED) == sum(len(tok.encode(a, add_special_tokens=False)) + 1 for _, a in explorer.turns)
-    assert tok.decode([i for i, k in zip(ids, kinds) if k == TARGET][:-1]) == hindsight_tip(explorer)
-    assert set(kinds) <= {CONTEXT, TARGET, IGNORED}
+            sequences = iter([(kind, ids, kinds), *sequences])  # not this instance's: put it back
+    assert next(sequences, (None,))[0] is None
+    assert 0 < irrelevant < len(insts)  # irrelevant_rate 0.5
 
 
 def test_a_layout_where_prompts_are_not_prefixes_of_the_chat_is_refused(data, builder):
     windowed = PromptBuilder(builder.tokenizer, max_prompt_tokens=2048, history_turns=1, max_request_tokens=2048)
     gold = next(inst.gold for inst in data if len(inst.gold.turns) > 2)
     with pytest.raises(RuntimeError, match="not a prefix of the episode chat"):
-        episode_sequence(windowed, gold, None, TARGET)
+        episode_sequence(windowed, gold, None)
 
 
 def test_acting_on_a_wrong_tip_follows_it_then_recovers(data, builder):
     """A misled episode carries a tip that moves one sought thing to another room; its actions head for
-    that room first (the label follows the tip, never contradicts it) and still win from there."""
+    that room first (the label follows the tip, never contradicts it), then search, and win (or run out of
+    steps) from there."""
     checked = 0
     for inst in data[:40]:
         if inst.misled is None:
@@ -133,7 +193,7 @@ def test_acting_on_a_wrong_tip_follows_it_then_recovers(data, builder):
         assert len(moved) == 1
         thing, true_room = moved[0]
         told = inst.wrong_tip.split(f"{thing} in the ")[1].split(",")[0].split(".")[0]
-        assert told != true_room and misled.score == 100
+        assert told != true_room and (misled.score == 100 or len(misled.turns) == SMALL.max_turns)
         env = make_env("minisci", max_steps=100, **gold.house)
         env.reset(task=gold.family, variation=gold.variation)
         plan = Planner(env._world)

@@ -121,6 +121,21 @@ def test_find_target_is_never_where_the_prior_looks():
         assert result.done and result.info["failed"] and result.info["score"] == 0
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_records_its_look_alikes_and_where_the_prior_finds_the_first(family):
+    """`task.lookalikes`: the house's decoys (one per num_decoys), each a wrong focus, the first in the room
+    a prior points to (not the start room whenever there are two rooms for them)."""
+    for decoys in (0, 1, 2):
+        env = make_env("minisci", num_rooms=5, num_decoys=decoys, num_distractors=1)
+        for variation in catalogue().split(family, "test")[:5]:
+            env.reset(task=family, variation=variation)
+            world, task = env._world, env._task
+            assert len(task.lookalikes) == decoys and set(task.lookalikes) <= set(world.things)
+            assert not any(task.accepts_focus(world, name) for name in task.lookalikes)
+            if family == "find-living-thing" and decoys:
+                assert world.room_of(task.lookalikes[0]) == task.obvious_room
+
+
 # ----- catalogue and determinism ---------------------------------------------------------------
 def test_splits_are_disjoint_and_cover_the_variations():
     cat = catalogue()

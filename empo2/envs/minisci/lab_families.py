@@ -47,7 +47,9 @@ class MeasureTask(Task):
             f"temperature is below {threshold} degrees celsius, focus on the {below}. "
             f"The boxes are located around the {room}."
         )
-        return world, cls(description, substance, room, above if temp > threshold else below)
+        task = cls(description, substance, room, above if temp > threshold else below)
+        task.lookalikes = tuple(f"unknown substance {letter}" for letter in letters[1:])
+        return world, task
 
     def __init__(self, description: str, substance: str, room: str, answer: str) -> None:
         super().__init__(description, (THERMOMETER, substance), sought=(THERMOMETER,))
@@ -110,16 +112,16 @@ class MixTask(Task):
         place_key(
             world, rng, difficulty, Thing(BOWL, portable=True, prep="in", role="mixer"), rng.choice(rooms)
         )
-        for kind, room in zip(
-            rng.sample(LOOKALIKES, difficulty.num_decoys),
-            decoy_rooms(ART_STUDIO, start, difficulty.num_decoys),
-        ):
-            put_somewhere(world, rng, Thing(f"{colour} {kind}", portable=True), room)
+        lookalikes = [f"{colour} {kind}" for kind in rng.sample(LOOKALIKES, difficulty.num_decoys)]
+        for name, room in zip(lookalikes, decoy_rooms(ART_STUDIO, start, difficulty.num_decoys)):
+            put_somewhere(world, rng, Thing(name, portable=True), room)
         product = f"{colour} paint"
         description = (
             f"Your task is to use chemistry to create {product}. When you are done, focus on the {product}."
         )
-        return world, cls(description, tuple(f"{p} paint" for p in PRIMARIES if p in needed), product)
+        task = cls(description, tuple(f"{p} paint" for p in PRIMARIES if p in needed), product)
+        task.lookalikes = tuple(lookalikes)
+        return world, task
 
     def __init__(self, description: str, paints: tuple[str, ...], product: str) -> None:
         super().__init__(description, (*paints, BOWL, product), sought=(*paints, BOWL))
@@ -189,9 +191,8 @@ class ChangeStateTask(Task):
             room,
         )
         others = [s for s in sorted(SUBSTANCES) if s != substance]
-        for name, where in zip(
-            rng.sample(others, difficulty.num_decoys), decoy_rooms(KITCHEN, start, difficulty.num_decoys)
-        ):
+        lookalikes = rng.sample(others, difficulty.num_decoys)
+        for name, where in zip(lookalikes, decoy_rooms(KITCHEN, start, difficulty.num_decoys)):
             put_somewhere(
                 world,
                 rng,
@@ -209,7 +210,9 @@ class ChangeStateTask(Task):
             f"Your task is to {goal} {substance}. First, focus on the substance. Then, take actions "
             "that will cause it to change its state of matter."
         )
-        return world, cls(description, substance, goal)
+        task = cls(description, substance, goal)
+        task.lookalikes = tuple(lookalikes)
+        return world, task
 
     def __init__(self, description: str, substance: str, goal: str) -> None:
         self.appliance = "freezer" if goal == "freeze" else "stove"

@@ -62,16 +62,17 @@ class FindTask(Task):
         world.add(Thing(box, prep="in"), box_room)
         target = rng.choice(targets)
         place_key(world, rng, difficulty, Thing(target, portable=True), target_room)
-        for name, room in zip(
-            rng.sample(decoys, difficulty.num_decoys), decoy_rooms(obvious, start, difficulty.num_decoys)
-        ):
+        lookalikes = rng.sample(decoys, difficulty.num_decoys)
+        for name, room in zip(lookalikes, decoy_rooms(obvious, start, difficulty.num_decoys)):
             put_somewhere(world, rng, Thing(name, portable=True), room)
         article = "an" if category[0] in "aeiou" else "a"
         description = (
             f"Your task is to find {article} {category}. First, focus on the thing. "
             f"Then, move it to the {box} in the {box_room}."
         )
-        return world, cls(description, target, box, box_room, obvious)
+        task = cls(description, target, box, box_room, obvious)
+        task.lookalikes = tuple(lookalikes)
+        return world, task
 
     def __init__(self, description: str, target: str, box: str, box_room: str, obvious_room: str) -> None:
         super().__init__(description, (target, box), sought=(target,))
@@ -131,7 +132,9 @@ class PowerTask(Task):
             f"Your task is to turn on the {component}. First, focus on the {component}. "
             "Then, create an electrical circuit that powers it on."
         )
-        return world, cls(description, component)
+        task = cls(description, component)
+        task.lookalikes = tuple(decoys)
+        return world, task
 
     def __init__(self, description: str, component: str) -> None:
         super().__init__(description, (component, BATTERY, *WIRES), sought=(BATTERY,))

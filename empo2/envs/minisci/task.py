@@ -22,6 +22,9 @@ class Task:
         # the things the house hides from the agent (placed by `place_key`): what a search must find,
         # so what a hindsight tip about the house should locate
         self.sought = sought
+        # the look-alikes the house sets as the trap (a wrong `focus on` ends the episode), the first of them in
+        # the room a prior points to: build-time knowledge for scripted agents, never shown to a policy
+        self.lookalikes: tuple[str, ...] = ()
 
     @classmethod
     def build(cls, rng: random.Random, difficulty: Difficulty) -> tuple[World, Task]:
