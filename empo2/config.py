@@ -153,6 +153,10 @@ class RolloutConfig:
     history_turns: int | None = opt(None, "Keep at most this many past observation/action turns; null keeps "
                                     "all that fit.", gt=0, nullable=True)
     tip_max_new_tokens: int = opt(160, "Token budget when the policy writes its tip (~100 words).", gt=0)
+    tip_temperature: float = opt(1.0, "Sampling temperature of the tip the policy writes after an episode (released "
+                                 "code 1.0). Lower (0: greedy) writes the summary the policy finds likeliest: more "
+                                 "faithful for a small policy whose sampled tips drift from what its episode "
+                                 "showed, less varied across a group's tips.", ge=0)
     max_tip_request_tokens: int | None = opt(None, "Prompt budget of the tip request, which shows the whole episode "
                                              "(oldest turns are cut beyond it); null uses max_prompt_tokens. Larger "
                                              "lets the tip summarise long episodes, at one longer prompt per episode.",

@@ -94,7 +94,8 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
         adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
         max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
-        per_step_entries=cfg.memory.per_step_entries, step_entry_key=cfg.memory.step_entry_key,
+        tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
+        step_entry_key=cfg.memory.step_entry_key,
         key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
         record_logprobs=generation_logprobs_exact(cfg))
     specials = list(getattr(tokenizer, "all_special_tokens", []))

@@ -71,6 +71,7 @@ class CollectorSettings:
     min_sim: float = 0.5
     max_tip_words: int = 100
     tip_max_new_tokens: int = 160
+    tip_temperature: float = 1.0
     per_step_entries: bool = False
     step_entry_key: str = "step"  # per-step entries keyed by their own step's state, or "final": the episode's last
     key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
@@ -232,7 +233,7 @@ class RolloutCollector:
         requests = [self.builder.build_tip_request(envs[i].task_description, histories[i], obs[i], s.max_tip_words,
                                                    turn_tips[i] if s.tips_in_history else None)
                     for i in range(len(trajs))]
-        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=s.tip_max_new_tokens,
+        params = SamplingParams(temperature=s.tip_temperature, top_p=1.0, max_new_tokens=s.tip_max_new_tokens,
                                 stop_at_newline=False)
         t0 = time.perf_counter()
         gens = self.engine.generate(requests, params, seed=self._seed(generator))

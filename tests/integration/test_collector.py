@@ -258,3 +258,32 @@ def test_every_tip_in_a_prompt_was_written_by_the_policy(policy, embedder):
         shown |= {line[len("<tip>"):-len("</tip>")] for line in text.splitlines()
                   if line.startswith("<tip>") and line.endswith("</tip>")}
     assert shown and shown <= written
+
+
+class RecordingEngine(HFEngine):
+    """The real HF engine, keeping each call's prompts and sampling parameters."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def generate(self, prompts, params, seed=None):
+        self.calls.append((prompts, params))
+        return super().generate(prompts, params, seed=seed)
+
+
+def test_tips_are_written_at_the_tip_temperature(policy, embedder):
+    """`tip_temperature` is the tip call's temperature, apart from the acting one; at 0 the tip is the greedy
+    decoding of the request, whatever the seed."""
+    from empo2.memory import sanitize_tip
+
+    model, tok = policy
+    c = make_collector(policy, embedder, tip_temperature=0.0)
+    c.engine = RecordingEngine(model, tok)
+    batch = collect(c)
+    prompts, params = c.engine.calls[-1]  # the tips are the last call of a collection, one batch for all
+    assert params.temperature == 0.0 and params.max_new_tokens == c.settings.tip_max_new_tokens
+    assert all(p.temperature == c.settings.temperature for _, p in c.engine.calls[:-1])
+    again = HFEngine(model, tok).generate(prompts, params, seed=12345)
+    assert [sanitize_tip(g.text, c.settings.max_tip_words, tok.all_special_tokens) for g in again] == \
+           [tr.tip for tr in batch.trajectories]
