@@ -70,4 +70,7 @@ def main(per_kind: int = 48, batch: int = 8) -> None:
 
 
 if __name__ == "__main__":
+    from empo2.cli import quiet_libraries
+
+    quiet_libraries()  # weight-loading bars and INFO lines off, as in the CLI
     main()
