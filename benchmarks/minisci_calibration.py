@@ -177,7 +177,7 @@ def main_memory(args) -> None:
     base = [f"model={args.model}", "algo.p=1", "algo.q=0", "algo.beta_start=0", "algo.beta_end=0",
             f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64",
             f"seed={args.seed}", f"rollout.temperature={args.temperature}",
-            f"rollout.tip_temperature={args.tip_temperature}"]
+            f"rollout.tip_temperature={args.tip_temperature}", *args.override]
     model, tok = load_policy(load_config(base).model)
     model.eval()
     cat = get_catalogue("minisci")
@@ -230,6 +230,8 @@ def main() -> None:
                          "tips are always written at 1.0, as in training)")
     ap.add_argument("--tip-temperature", type=float, default=1.0,
                     help="with --memory: sampling temperature of the tips the policy writes (0: greedy)")
+    ap.add_argument("--override", nargs="+", default=[],
+                    help="with --memory: more config overrides, last (e.g. model.name=hf model.path=DIR)")
     ap.add_argument("--rounds", type=int, default=5, help="with --memory: episodes per instance, one after another")
     ap.add_argument("--show", type=int, default=0, help="with --memory: print the actions and tip of this many "
                                                         "instances per round")
