@@ -269,6 +269,8 @@ def training_sequences(builder, data: list[Instance],
     tips_by_family: dict[str, list[str]] = {}
     for inst in data:
         tips_by_family.setdefault(inst.gold.family, []).extend(hindsight_tip(e) for e in inst.episodes)
+    foreign_by_family = {family: [t for f, tips in sorted(tips_by_family.items()) if f != family for t in tips]
+                         for family in tips_by_family}
     out = []
     for inst in data:
         family = inst.gold.family
@@ -281,7 +283,7 @@ def training_sequences(builder, data: list[Instance],
         out.append((LOCATED, *episode_sequence(builder, inst.gold, own)))
         if not locates(inst.habit):
             out.append((SEARCH, *episode_sequence(builder, inst.search, [hindsight_tip(inst.habit)])))
-        foreign = [t for f, tips in sorted(tips_by_family.items()) if f != family for t in tips]
+        foreign = foreign_by_family[family]
         if rng.random() < settings.irrelevant_rate and foreign:  # (a one-family subset of the data has none)
             tips = rng.sample(foreign, min(rng.randint(*settings.tips_per_prompt), len(foreign)))
             out.append((IRRELEVANT, *episode_sequence(builder, inst.habit, tips)))
