@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from empo2.models import _load_local, save_cached_checkpoint
-from empo2.prior import CONTEXT, TARGET, behaviour_clone, ready_path
-from empo2.prior_tips import TipPriorSettings, dev_episodes, prompt_builder, training_sequences
+from empo2.models import save_cached_checkpoint
+from empo2.prior import CONTEXT, TARGET, behaviour_clone
+from empo2.prior_tips import TipPriorSettings, cached_prior
 
 
 def tip_only(kinds: list[int]) -> list[int]:
@@ -40,11 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     settings = TipPriorSettings()
-    path = ready_path("minisci-tips", settings)
-    if path is None:
-        raise SystemExit("no minisci-tips with the current settings: build it first (any run with model=minisci_tips)")
-    model, tok = _load_local(path, torch.float32)
-    sequences = training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
+    path, model, tok, sequences = cached_prior(settings)
     examples = [(ids, tip_only(kinds)) for _, ids, kinds in sequences]
     probe = dataclasses.replace(settings, lr=args.lr, epochs=args.steps * settings.batch_size / len(examples))
     with torch.random.fork_rng(devices=[]):

@@ -132,7 +132,8 @@ def clone_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor, lm_
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
     kind = kinds[:, 1:]
     target = nll[kind == TARGET].mean()
-    loss = target + lm_weight * nll[kind == CONTEXT].mean() if lm_weight else target
+    context = nll[kind == CONTEXT]  # (a batch of sequences whose context is all IGNORED has none)
+    loss = target + lm_weight * context.mean() if lm_weight and context.numel() else target
     return loss, target.detach()
 
 

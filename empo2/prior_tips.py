@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from empo2.prior import CONTEXT, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
+from empo2.prior import CONTEXT, IGNORED, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
@@ -128,8 +129,8 @@ def play(env, family: str, variation: int, house: dict, actions, max_turns: int 
         _record(env, ep)
         step += 1
         score = int(result.info["score"])
-        if result.info["failed"]:
-            ep.failed_focus = action.removeprefix("focus on ").strip()
+        if result.info["failed"]:  # the action as the env resolved it (a policy's text may be loose)
+            ep.failed_focus = (result.info["action"] or action).removeprefix("focus on ").strip()
         if result.done:
             break
     ep.final_obs, ep.score = obs, score
@@ -330,3 +331,108 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
 def ensure_minisci_tips(settings: TipPriorSettings | None = None, log=print):
     """Path of the cached model, building it on first use."""
     return ensure_cached("minisci-tips", settings or TipPriorSettings(), build_minisci_tips, log)
+
+
+def cached_prior(settings: TipPriorSettings, start=None):
+    """(path, model, tokenizer, training sequences) of the built prior, or of the checkpoint `start` with the
+    prior's sequences, for a probe that continues training it (a probe never builds it: a run does)."""
+    from empo2.models import _load_local
+    from empo2.prior import ready_path
+
+    path = ready_path("minisci-tips", settings)
+    if path is None:
+        raise RuntimeError("no minisci-tips with the current settings: build it first (any run with "
+                           "model=minisci_tips)")
+    model, tok = _load_local(Path(start) if start else path, torch.float32)
+    return path, model, tok, training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
+
+
+# ------------------------------------------------------------------------------------- its own episodes
+# The scripted episodes above teach the prior to write tips about *scripted* play, where what an episode did is
+# also what its task and house predict (the prior-driven agent always takes the same look-alike), so a tip can
+# be guessed without reading the episode. Its own episodes are not like that: it focuses on whichever look-alike
+# it samples. `self_play_examples` gives tip-writing examples from episodes the prior plays itself, labelled
+# with what those episodes showed (DAgger for the tip writer); benchmarks/minisci_tips_self_play_probe.py
+# fine-tunes on them and the README reports what that changes.
+
+SELF_PLAY_CHUNK = 64  # instances played side by side (one generate call per step over all of them)
+
+
+class _TipRequests:
+    """The collector's engine, keeping the last batch of tip requests it was asked to complete: exactly the
+    prompts the collector built from its own episode chats (tip requests are its only calls that do not stop at
+    a newline)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.prompts = engine, []
+
+    def generate(self, prompts, params, seed=None):
+        if not params.stop_at_newline:
+            self.prompts = [list(p) for p in prompts]
+        return self.engine.generate(prompts, params, seed=seed)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def replay(env, family: str, variation: int, house: dict, traj, tok, max_turns: int) -> Episode | None:
+    """The episode a collector trajectory played, replayed in `env` (the same house) from the texts the policy
+    generated, with what a hindsight tip may say about it; None if the replay does not end where the trajectory
+    did (then a label would describe another episode)."""
+    actions = [tok.decode(s.response_ids, skip_special_tokens=True).split("\n", 1)[0].strip()
+               for s in traj.samples]  # the text the env was given (Generation.text)
+    ep = play(env, family, variation, house, actions, max_turns)
+    return ep if ep.score == traj.score and len(ep.turns) == len(actions) else None
+
+
+def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: int = 10,
+                       variations_per_family: int | None = None, seed: int = 0,
+                       log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(ids, kinds) per episode the model plays on a dev variation (one house draw each; the first
+    `variations_per_family` of each family, or all): its own tip request, then, as the target, the hindsight tip
+    of that episode, labelled by replaying its actions in the same house (build-time bookkeeping, as every label
+    here). It plays through the real collector as calibration and RL run it: `episodes_per_instance` episodes one
+    after another, memory on, each retrieving the tips it wrote after the earlier ones, `max_turns` steps each.
+    The request is IGNORED: only the tip is learned, not its own actions or its earlier, possibly false, tips.
+    Returns the examples and play statistics (`tips_exact`: its own tip was the label, word for word)."""
+    from empo2.config import load_config
+    from empo2.envs import make_env
+    from empo2.envs.base import TaskSpec
+    from empo2.train import build_collector, env_kwargs
+
+    cfg = load_config(["env=minisci", "model=minisci_tips", "algo.p=1", "algo.q=0", f"env.max_steps={max_turns}",
+                       "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64", f"seed={seed}"])
+    instances = list(dev_instances(random.Random(seed + 2), 1))  # one house each: one tip namespace
+    if variations_per_family:
+        first: dict[str, list[int]] = {}
+        for family, variation, _ in instances:
+            first.setdefault(family, []).append(variation)
+        instances = [i for i in instances if i[1] in first[i[0]][:variations_per_family]]
+    collector = build_collector(cfg, model, tok, 1)
+    collector.engine = requests = _TipRequests(collector.engine)
+    generator = torch.Generator().manual_seed(seed)
+    examples, stats = [], {"episodes": 0, "score": 0.0, "tips_exact": 0, "unreplayable": 0}
+    eos = tok.eos_token_id
+    for start in range(0, len(instances), SELF_PLAY_CHUNK):
+        chunk = instances[start:start + SELF_PLAY_CHUNK]
+        collector.envs = [make_env("minisci", **{**env_kwargs(cfg), **house}) for _, _, house in chunk]
+        replay_envs = [make_env("minisci", **{**env_kwargs(cfg), **house, "max_steps": 100}) for _, _, house in chunk]
+        specs = [TaskSpec(family, variation) for family, variation, _ in chunk]
+        for r in range(episodes_per_instance):
+            batch = collector.collect(specs, 1, iteration=r, generator=generator)
+            for (family, variation, house), env, traj, request in zip(chunk, replay_envs, batch.trajectories,
+                                                                       requests.prompts):
+                ep = replay(env, family, variation, house, traj, tok, max_turns)
+                if ep is None:
+                    stats["unreplayable"] += 1
+                    continue
+                tip = hindsight_tip(ep)
+                stats["episodes"] += 1
+                stats["score"] += ep.score
+                stats["tips_exact"] += traj.tip == tip
+                target = tok.encode(tip, add_special_tokens=False) + [eos]
+                examples.append((request + target, [IGNORED] * len(request) + [TARGET] * len(target)))
+        log(f"self-play: {start + len(chunk)}/{len(instances)} instances x {episodes_per_instance} episodes, "
+            f"tips exact {stats['tips_exact']}/{stats['episodes']}")
+    stats["score"] /= max(stats["episodes"], 1)
+    return examples, stats

@@ -88,6 +88,10 @@ def test_clone_loss_against_hand_computed_values():
     labels = torch.where(kinds == TARGET, ids, torch.full_like(ids, -100))
     hf = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 4), labels[:, 1:].reshape(-1))
     assert clone_loss(logits, ids, kinds)[0].item() == pytest.approx(hf.item())
+    # a batch whose context is all IGNORED (self-played tip requests) scores its targets alone, never NaN
+    no_context = torch.where(kinds == CONTEXT, torch.full_like(kinds, IGNORED), kinds)
+    loss, target = clone_loss(logits, ids, no_context, lm_weight=0.5)
+    assert loss.item() == pytest.approx((hit + flat) / 2) and target.item() == pytest.approx((hit + flat) / 2)
 
 
 def test_cloning_fits_a_handful_of_demonstrations(episodes):

@@ -10,8 +10,9 @@ from empo2.envs.minisci import catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
+from empo2.memory.tips import tip_request_message
 from empo2.models import _load_local, build_bpe_tokenizer
-from empo2.prior import CONTEXT, TARGET
+from empo2.prior import CONTEXT, IGNORED, TARGET
 from empo2.prior_tips import (
     IRRELEVANT,
     LOCATED,
@@ -25,6 +26,8 @@ from empo2.prior_tips import (
     hindsight_tip,
     locates,
     prompt_builder,
+    replay,
+    self_play_examples,
     training_sequences,
 )
 from empo2.rollout.prompts import PromptBuilder
@@ -220,6 +223,66 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     assert sum("building" in line for line in logs) == 1
     model, tok = _load_local(path, torch.float32)
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def small_policy(data):
+    """A random tiny model with a tokenizer of the dev episodes' text: its play is a policy's own, not scripted."""
+    from empo2.models import build_tiny_model
+    from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT
+
+    texts = [DEFAULT_SYSTEM_PROMPT, tip_request_message()["content"], TIP_HEADER]
+    episodes = [e for inst in data for e in inst.episodes]
+    texts += [e.task for e in episodes] + [hindsight_tip(e) for e in episodes]
+    texts += [t for inst in data[:100] for e in inst.episodes for pair in e.turns for t in pair]
+    tok = build_bpe_tokenizer(texts, SMALL.vocab_size)
+    return build_tiny_model(tok, 0, hidden_size=32, num_layers=1, num_heads=2), tok
+
+
+def test_an_own_episode_is_labelled_by_replaying_what_the_policy_generated(data, small_policy):
+    """The hindsight tip of a policy's episode is the one of the actions it generated, replayed in the same
+    house: a trapped episode's tip names the look-alike it focused on; a replay that does not end where the
+    trajectory did is no label."""
+    from empo2.rollout.types import StepSample, Trajectory
+
+    _, tok = small_policy
+    eos = tok.eos_token_id
+    inst = next(i for i in data if i.habit.failed_focus)
+    ep = inst.habit
+    env = make_env("minisci", max_steps=100, **ep.house)
+
+    def trajectory(actions, score):
+        samples = [StepSample([], [], tok.encode(a, add_special_tokens=False) + [eos], False, False, 0, 0, t)
+                   for t, a in enumerate(actions)]
+        return Trajectory(ep.family, ep.variation, 0, 0, samples=samples, score=score)
+
+    actions = [a for _, a in ep.turns]
+    got = replay(env, ep.family, ep.variation, ep.house, trajectory(actions, ep.score), tok, SMALL.max_turns)
+    assert got is not None and hindsight_tip(got) == hindsight_tip(ep)
+    assert f"Focusing on the {ep.failed_focus} failed." in hindsight_tip(got)
+    assert replay(env, ep.family, ep.variation, ep.house, trajectory(actions, 100.0), tok, SMALL.max_turns) is None
+    assert replay(env, ep.family, ep.variation, ep.house, trajectory(actions + ["look around"], ep.score), tok,
+                  SMALL.max_turns) is None  # the episode ended before its last action
+
+
+def test_self_play_trains_the_collectors_own_tip_requests_on_the_replayed_tip(small_policy):
+    """Every example is a tip request exactly as the collector built it (IGNORED: only the tip is learned, not
+    the policy's own actions or its earlier, possibly false, tips), then the hindsight tip of that very episode
+    and end of turn as TARGETs; later episodes of an instance are played with the memory on."""
+    model, tok = small_policy
+    examples, stats = self_play_examples(model, tok, episodes_per_instance=2, variations_per_family=1,
+                                         log=lambda _: None)
+    cat = catalogue()
+    families = [t for t in cat.tasks() if t not in cat.ood_tasks]
+    assert stats["unreplayable"] == 0 and len(examples) == stats["episodes"] == 2 * len(families)
+    request = tip_request_message()["content"] + "<|im_end|>\n<|im_start|>assistant\n"
+    for ids, kinds in examples:
+        n = kinds.index(TARGET)
+        assert set(kinds[:n]) == {IGNORED} and kinds[n:] == [TARGET] * (len(ids) - n) and ids[-1] == tok.eos_token_id
+        text = tok.decode(ids[:n])
+        assert text.endswith(request) and text.count("<|im_start|>user") >= 2  # the episode chat, then the request
+        tip = tok.decode(ids[n:-1])
+        assert tip.startswith("Seen: ") and tip.endswith(".") and "Final score " in tip
 
 
 def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_ones(tmp_path, monkeypatch):

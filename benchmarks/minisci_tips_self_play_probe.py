@@ -1,0 +1,73 @@
+"""Does the `minisci-tips` prior write truer tips once it learns them from episodes like its own? A probe, not a
+build.
+
+Stage-1 tips are learned from scripted episodes, in which the look-alike the prior-driven agent takes is the one
+its task and house predict, so a tip can be guessed without reading the episode. This probe plays the cached
+prior on every dev variation (one house draw each) through the real collector, memory on, `--episodes` episodes
+per instance one after another (`empo2.prior_tips.self_play_examples`), labels each of its own tip requests with
+the hindsight tip of the episode it played (its actions replayed in the same house), and fine-tunes on those
+mixed with as many of its stage-1 training sequences (`--replay`, so its acting is not forgotten): DAgger for
+the tip writer, `--iterations` rounds, each playing with the model the last one left and training on every
+self-played example so far. Writes a project checkpoint that the calibration loads with
+
+    python benchmarks/minisci_calibration.py --model minisci_tips --memory \\
+        --override model.name=hf model.path=OUT model.dtype=float32 ...
+
+    python benchmarks/minisci_tips_self_play_probe.py --out /tmp/minisci-tips-self-play   (~27 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from empo2.models import save_cached_checkpoint
+from empo2.prior import behaviour_clone
+from empo2.prior_tips import TipPriorSettings, cached_prior, self_play_examples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--episodes", type=int, default=3, help="episodes per dev instance, one after another")
+    ap.add_argument("--replay", type=float, default=1.0, help="stage-1 sequences mixed in per self-played one")
+    ap.add_argument("--epochs", type=float, default=3.0, help="over the examples of each fine-tuning round")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", default=None, help="continue from this checkpoint (an earlier probe's --out) instead "
+                                                  "of the cached prior; its self-play examples are not carried over")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    settings = TipPriorSettings()
+    path, model, tok, sequences = cached_prior(settings, args.start)
+    scripted = [(ids, kinds) for _, ids, kinds in sequences]
+    rng = random.Random(args.seed)
+    tuning = dataclasses.replace(settings, epochs=args.epochs, lr=args.lr, seed=args.seed)
+    own, rounds = [], []
+    for it in range(args.iterations):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed + it)
+            examples, played = self_play_examples(model, tok, args.episodes, seed=args.seed + 1000 * it)
+            own += examples
+            mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
+            played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,
+                                                  name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,
+                                                  lm_weight=settings.lm_weight)
+        rounds.append(played)
+        print(json.dumps(played))
+    save_cached_checkpoint(model, tok, {"probe_of": args.start or str(path), "args": vars(args), "self_play": rounds},
+                           Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    from empo2.cli import quiet_libraries
+
+    quiet_libraries()  # weight-loading bars and INFO lines off, as in the CLI
+    main()
