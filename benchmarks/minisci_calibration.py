@@ -18,8 +18,12 @@ With `--memory` it measures instead whether the policy's memory abilities are li
 family on training variations: `--groups` instances played `--rounds` times one after the other, each
 round retrieving (p = 1) only the tips the policy itself wrote after the earlier rounds of the same
 instance; round 0 has an empty memory, so it is the tip-free score. Also the share of its own tips that
-state a task-relevant thing's true room (and claim no false one), and the score when the memory holds
-only irrelevant tips (those written for another instance).
+state a task-relevant thing's true room (and claim no false one), the share that are exactly the hindsight tip
+its episode supports (`empo2.prior_tips.hindsight_tip` of its actions replayed: what it saw where, the focus that
+failed, the score), and the score when the memory holds only irrelevant tips (those written for another
+instance), and, to tell reading tips from writing them, the score with one scripted episode's hindsight tip per
+instance instead of its own: the gold path's (true, locating what the task needs) and a trapped prior-driven
+episode's (which look-alike failed).
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
 """
@@ -112,10 +116,13 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
     from empo2.envs.minisci.env import build
     from empo2.envs.minisci.layout import Difficulty
     from empo2.memory import TipMemory
+    from empo2.prior_tips import hindsight_tip, replay
 
     collector = build_collector(cfg, model, tok, len(tasks))
-    scores, success, wrong_focus, truths, t0 = [], [], [], [], time.perf_counter()
-    difficulty = Difficulty(**{f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
+    scores, success, wrong_focus, truths, exact, t0 = [], [], [], [], [], time.perf_counter()
+    house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
+    difficulty = Difficulty(**house)
+    replay_env = make_env("minisci", **{**env_kwargs(cfg), "max_steps": 100})
     true_rooms = []
     for spec in tasks:
         world, task = build(spec.task, spec.variation, difficulty)
@@ -127,6 +134,9 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
         success.append(statistics.fmean(tr.won for tr in trs))
         wrong_focus.append(statistics.fmean(tr.length < cfg.env.max_steps and not tr.won for tr in trs))
         truths += [tip_is_true(tr.tip, rooms) for tr, rooms in zip(trs, true_rooms)]
+        for spec, tr in zip(tasks, trs):  # the tip the episode supports, from its actions replayed
+            ep = replay(replay_env, spec.task, spec.variation, house, tr, tok, cfg.env.max_steps)
+            exact.append(ep is not None and tr.tip == hindsight_tip(ep))
         for spec, tr in list(zip(tasks, trs))[:show]:  # what the numbers come from: actions and the tip written
             actions = [tok.decode(s.response_ids, skip_special_tokens=True).strip() for s in tr.samples]
             print(f"  round {r} {spec.task}/{spec.variation}: score {tr.score:.0f}, actions {actions}, tip {tr.tip!r}")
@@ -141,13 +151,44 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
             foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
     collector.memory, collector.settings.write_tips = foreign, False
     batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
-    return {"episodes": len(tasks) * rounds, "score_by_round": [statistics.fmean(r) for r in scores],
+    scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own)
+    return {**scripted, "episodes": len(tasks) * rounds, "score_by_round": [statistics.fmean(r) for r in scores],
             "scores": scores, "irrelevant_scores": [tr.score for tr in batch.trajectories],
             "success_by_round": success,
             "wrong_focus_by_round": wrong_focus, "tip_truth": statistics.fmean(truths) if truths else 0.0,
+            "tips_exact": statistics.fmean(exact) if exact else 0.0,
             "irrelevant_tips_score": batch.stats["rollout/score"],
             "memory_frac_irrelevant": batch.stats["rollout/memory_frac"],
             "seconds": time.perf_counter() - t0}
+
+
+def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like) -> dict:
+    """Whether it acts well on tips it did not write: the score with one scripted episode's hindsight tip per
+    instance in memory, keyed as the collector keys its own (the episode's final state): the gold path's (true,
+    locating everything the task needs) and a prior-driven trapped episode's (what it saw on the way, which
+    look-alike failed). Separates reading tips from writing them."""
+    import random
+
+    from empo2.memory import TipMemory
+    from empo2.prior_tips import hindsight_tip, play, scripted
+
+    out = {}
+    for name in ("gold", "trapped"):
+        memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
+        texts, keys, metas = [], [], []
+        for spec in tasks:
+            env.reset(task=spec.task, variation=spec.variation)
+            actions = env.gold_actions() if name == "gold" else scripted(random.Random(seed), trap=True)
+            ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
+            texts.append(hindsight_tip(ep))
+            keys.append(collector._key_text(env, ep.turns, ep.final_obs))
+            metas.append({"task": spec.task, "variation": spec.variation, "episode_return": ep.score / 100})
+        memory.add(texts, collector.embedder.encode(keys), metas)
+        collector.memory = memory
+        batch = collector.collect(tasks, 1, iteration=0, generator=torch.Generator().manual_seed(seed))
+        out[f"{name}_tip_scores"] = [tr.score for tr in batch.trajectories]
+        out[f"{name}_tip_score"] = batch.stats["rollout/score"]
+    return out
 
 
 def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
@@ -183,7 +224,8 @@ def main_memory(args) -> None:
     cat = get_catalogue("minisci")
     rows = []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
-          "after 2 / tip-free | tips true | irrelevant tips (change) |\n|---|---|---|---|---|---|---|---|---|")
+          "after 2 / tip-free | tips true | tips exact | irrelevant tips (change) | gold tip / trapped tip |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         cfg = load_config(base + parse_setting(setting))
         for family in args.families:
@@ -197,7 +239,9 @@ def main_memory(args) -> None:
             print(f"| {setting or 'default'} | {family} | {ci_text(v['tip_free'])} | "
                   f"{res['success_by_round'][0]:.2f} | "
                   f"{res['wrong_focus_by_round'][0]:.2f} | {after} | {ratio} | {res['tip_truth']:.2f} | "
-                  f"{res['irrelevant_tips_score']:.1f} ({ci_text(v['irrelevant_change'], signed=True)}) |",
+                  f"{res['tips_exact']:.2f} | {res['irrelevant_tips_score']:.1f} "
+                  f"({ci_text(v['irrelevant_change'], signed=True)}) | "
+                  f"{res['gold_tip_score']:.1f} / {res['trapped_tip_score']:.1f} |",
                   flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
