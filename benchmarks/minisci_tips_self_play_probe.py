@@ -45,7 +45,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     settings = TipPriorSettings()
-    path, model, tok, sequences = cached_prior(settings, args.start)
+    try:
+        path, model, tok, sequences = cached_prior(settings, args.start)
+    except FileNotFoundError as e:  # not built yet: say so in one line
+        raise SystemExit(str(e)) from None
     scripted = [(ids, kinds) for _, ids, kinds in sequences]
     rng = random.Random(args.seed)
     tuning = dataclasses.replace(settings, epochs=args.epochs, lr=args.lr, seed=args.seed)

@@ -40,7 +40,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     settings = TipPriorSettings()
-    path, model, tok, sequences = cached_prior(settings)
+    try:
+        path, model, tok, sequences = cached_prior(settings)
+    except FileNotFoundError as e:  # not built yet: say so in one line
+        raise SystemExit(str(e)) from None
     examples = [(ids, tip_only(kinds)) for _, ids, kinds in sequences]
     probe = dataclasses.replace(settings, lr=args.lr, epochs=args.steps * settings.batch_size / len(examples))
     with torch.random.fork_rng(devices=[]):

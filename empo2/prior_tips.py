@@ -341,8 +341,8 @@ def cached_prior(settings: TipPriorSettings, start=None):
 
     path = ready_path("minisci-tips", settings)
     if path is None:
-        raise RuntimeError("no minisci-tips with the current settings: build it first (any run with "
-                           "model=minisci_tips)")
+        raise FileNotFoundError("no minisci-tips with the current settings: build it first (any run with "
+                                "model=minisci_tips)")
     model, tok = _load_local(Path(start) if start else path, torch.float32)
     return path, model, tok, training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
 
