@@ -9,7 +9,9 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
 - `headline`: the first run of `experiments/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
 - `demo`: `empo2 train` with the defaults (`make demo`: SmolLM2-135M on MiniSci);
 - `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
-  its saving in memory).
+  its saving in memory);
+- `demo_lowmem`: `demo_gc` with micro-batches capped at `trainer.micro_batch_tokens=1280` (about 4 demo prompts),
+  on the head commit only: the demo's smallest peak memory.
 
 The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
 and the validation before training are not counted; the periodic validation and the checkpoints are.
@@ -38,8 +40,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = ("headline", "demo", "demo_gc")
-HEAD_ONLY = ("demo_gc",)  # options the base commit may not have
+CONFIGS = ("headline", "demo", "demo_gc", "demo_lowmem")
+HEAD_ONLY = ("demo_gc", "demo_lowmem")  # options the base commit may not have
+# Overrides of the demo configurations (the demo itself is `empo2 train` with the defaults).
+DEMO_EXTRA = {"demo": [], "demo_gc": ["trainer.gradient_checkpointing=true"],
+              "demo_lowmem": ["trainer.gradient_checkpointing=true", "trainer.micro_batch_tokens=1280"]}
 
 
 # ------------------------------------------------------------------------------------ child process
@@ -63,8 +68,8 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
                             overrides=[f"run_root={run_root}", f"trainer.iterations={iterations}"])
         cfg = runs[0].cfg
     else:
-        extra = ["trainer.gradient_checkpointing=true"] if config == "demo_gc" else []
-        cfg = load_config([f"run_root={run_root}", f"trainer.iterations={iterations}", "run_name=demo", *extra])
+        cfg = load_config([f"run_root={run_root}", f"trainer.iterations={iterations}", "run_name=demo",
+                           *DEMO_EXTRA[config]])
 
     phases = dict.fromkeys(("rollout", "generate", "old_logprobs", "update", "validation", "checkpoint"), 0.0)
     pad = {"real": 0, "padded": 0}
