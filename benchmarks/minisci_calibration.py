@@ -111,8 +111,8 @@ def tip_is_true(tip: str | None, true_rooms: dict[str, str]) -> bool:
 
 
 def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -> dict:
-    """Memory-only adaptation of one family: score per round with the policy's own tips, tip truth,
-    and the score with irrelevant tips only."""
+    """Memory-only adaptation of one family: score per round with the policy's own tips, tip truth and
+    exactness, the score with irrelevant tips only, and with one scripted tip per instance (gold / trapped)."""
     from empo2.envs.minisci.env import build
     from empo2.envs.minisci.layout import Difficulty
     from empo2.memory import TipMemory

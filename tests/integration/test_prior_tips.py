@@ -266,9 +266,9 @@ def test_an_own_episode_is_labelled_by_replaying_what_the_policy_generated(data,
 
 
 def test_self_play_trains_the_collectors_own_tip_requests_on_the_replayed_tip(small_policy):
-    """Every example is a tip request exactly as the collector built it (IGNORED: only the tip is learned, not
-    the policy's own actions or its earlier, possibly false, tips), then the hindsight tip of that very episode
-    and end of turn as TARGETs; later episodes of an instance are played with the memory on."""
+    """Every episode played gives one example: an episode chat ending in the collector's tip request, all
+    IGNORED (only the tip is learned, not the policy's own actions or its earlier, possibly false, tips), then a
+    hindsight tip and end of turn as TARGETs. (That the tip is the episode's own is the replay test's part.)"""
     model, tok = small_policy
     examples, stats = self_play_examples(model, tok, episodes_per_instance=2, variations_per_family=1,
                                          log=lambda _: None)
