@@ -1,5 +1,5 @@
-"""Does the `minisci-tips` prior write truer tips once it learns them from episodes like its own? A probe, not a
-build.
+"""Does the `minisci-tips` prior write truer tips, and act better on tips, once it learns from episodes like its
+own? A probe, not a build.
 
 Stage-1 tips are learned from scripted episodes, in which the look-alike the prior-driven agent takes is the one
 its task and house predict, so a tip can be guessed without reading the episode. This probe plays the cached
@@ -8,7 +8,10 @@ per instance one after another (`empo2.prior_tips.self_play_examples`), labels e
 the hindsight tip of the episode it played (its actions replayed in the same house), and fine-tunes on those
 mixed with as many of its stage-1 training sequences (`--replay`, so its acting is not forgotten): DAgger for
 the tip writer, `--iterations` rounds, each playing with the model the last one left and training on every
-self-played example so far. Writes a project checkpoint that the calibration loads with
+self-played example so far. With `--learn actions` it learns to read instead: each round plays every dev
+instance once with the gold path's tip in memory and labels every state its episodes reach while only moving with
+the expert's action there (`empo2.prior_tips.reader_examples`: DAgger for the reader); `--learn both` does both
+in each round. Writes a project checkpoint that the calibration loads with
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory \\
         --override model.name=hf model.path=OUT model.dtype=float32 ...
@@ -28,12 +31,14 @@ import torch
 
 from empo2.models import save_cached_checkpoint
 from empo2.prior import behaviour_clone
-from empo2.prior_tips import TipPriorSettings, cached_prior, self_play_examples
+from empo2.prior_tips import TipPriorSettings, cached_prior, reader_examples, self_play_examples
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--learn", choices=("tips", "actions", "both"), default="tips",
+                    help="what its own episodes teach: the tips it writes, its actions under a locating tip, or both")
     ap.add_argument("--episodes", type=int, default=3, help="episodes per dev instance, one after another")
     ap.add_argument("--replay", type=float, default=1.0, help="stage-1 sequences mixed in per self-played one")
     ap.add_argument("--epochs", type=float, default=3.0, help="over the examples of each fine-tuning round")
@@ -56,8 +61,13 @@ def main() -> None:
     for it in range(args.iterations):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed + it)
-            examples, played = self_play_examples(model, tok, args.episodes, seed=args.seed + 1000 * it)
-            own += examples
+            played = {}
+            if args.learn in ("tips", "both"):
+                examples, played["tips"] = self_play_examples(model, tok, args.episodes, seed=args.seed + 1000 * it)
+                own += examples
+            if args.learn in ("actions", "both"):
+                examples, played["actions"] = reader_examples(model, tok, seed=args.seed + 1000 * it)
+                own += examples
             mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,
                                                   name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,

@@ -375,26 +375,11 @@ class _TipRequests:
         return getattr(self.engine, name)
 
 
-def replay(env, family: str, variation: int, house: dict, traj, tok, max_turns: int) -> Episode | None:
-    """The episode a collector trajectory played, replayed in `env` (the same house) from the texts the policy
-    generated, with what a hindsight tip may say about it; None if the replay does not end where the trajectory
-    did (then a label would describe another episode)."""
-    actions = [tok.decode(s.response_ids, skip_special_tokens=True).split("\n", 1)[0].strip()
-               for s in traj.samples]  # the text the env was given (Generation.text)
-    ep = play(env, family, variation, house, actions, max_turns)
-    return ep if ep.score == traj.score and len(ep.turns) == len(actions) else None
-
-
-def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: int = 10,
-                       variations_per_family: int | None = None, seed: int = 0,
-                       log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """(ids, kinds) per episode the model plays on a dev variation (one house draw each; the first
-    `variations_per_family` of each family, or all): its own tip request, then, as the target, the hindsight tip
-    of that episode, labelled by replaying its actions in the same house (build-time bookkeeping, as every label
-    here). It plays through the real collector as calibration and RL run it: `episodes_per_instance` episodes one
-    after another, memory on, each retrieving the tips it wrote after the earlier ones, `max_turns` steps each.
-    The request is IGNORED: only the tip is learned, not its own actions or its earlier, possibly false, tips.
-    Returns the examples and play statistics (`tips_exact`: its own tip was the label, word for word)."""
+def _own_play(model, tok, max_turns: int, variations_per_family: int | None, seed: int):
+    """The collector as calibration and RL run it (memory on, p = 1) and the dev instances it plays, one house draw
+    each (one tip namespace per instance): the first `variations_per_family` of each family, or all. Yields, per
+    chunk of instances played side by side, (instances done, chunk, collector with the chunk's envs, replay envs
+    of the same houses, task specs)."""
     from empo2.config import load_config
     from empo2.envs import make_env
     from empo2.envs.base import TaskSpec
@@ -402,22 +387,49 @@ def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: in
 
     cfg = load_config(["env=minisci", "model=minisci_tips", "algo.p=1", "algo.q=0", f"env.max_steps={max_turns}",
                        "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64", f"seed={seed}"])
-    instances = list(dev_instances(random.Random(seed + 2), 1))  # one house each: one tip namespace
+    instances = list(dev_instances(random.Random(seed + 2), 1))
     if variations_per_family:
         first: dict[str, list[int]] = {}
         for family, variation, _ in instances:
             first.setdefault(family, []).append(variation)
         instances = [i for i in instances if i[1] in first[i[0]][:variations_per_family]]
     collector = build_collector(cfg, model, tok, 1)
-    collector.engine = requests = _TipRequests(collector.engine)
-    generator = torch.Generator().manual_seed(seed)
-    examples, stats = [], {"episodes": 0, "score": 0.0, "tips_exact": 0, "unreplayable": 0}
-    eos = tok.eos_token_id
     for start in range(0, len(instances), SELF_PLAY_CHUNK):
         chunk = instances[start:start + SELF_PLAY_CHUNK]
         collector.envs = [make_env("minisci", **{**env_kwargs(cfg), **house}) for _, _, house in chunk]
         replay_envs = [make_env("minisci", **{**env_kwargs(cfg), **house, "max_steps": 100}) for _, _, house in chunk]
-        specs = [TaskSpec(family, variation) for family, variation, _ in chunk]
+        yield (start + len(chunk), len(instances)), chunk, collector, replay_envs, [TaskSpec(f, v) for f, v, _ in chunk]
+
+
+def _actions(traj, tok) -> list[str]:
+    """The texts a collector trajectory gave the env (Generation.text: the response up to its first newline)."""
+    return [tok.decode(s.response_ids, skip_special_tokens=True).split("\n", 1)[0].strip() for s in traj.samples]
+
+
+def replay(env, family: str, variation: int, house: dict, traj, tok, max_turns: int) -> Episode | None:
+    """The episode a collector trajectory played, replayed in `env` (the same house) from the texts the policy
+    generated, with what a hindsight tip may say about it; None if the replay does not end where the trajectory
+    did (then a label would describe another episode)."""
+    actions = _actions(traj, tok)
+    ep = play(env, family, variation, house, actions, max_turns)
+    return ep if ep.score == traj.score and len(ep.turns) == len(actions) else None
+
+
+def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: int = 10,
+                       variations_per_family: int | None = None, seed: int = 0,
+                       log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(ids, kinds) per episode the model plays on a dev variation (`_own_play`): its own tip request, then, as
+    the target, the hindsight tip of that episode, labelled by replaying its actions in the same house (build-time
+    bookkeeping, as every label here). `episodes_per_instance` episodes one after another, each retrieving the
+    tips it wrote after the earlier ones, `max_turns` steps each. The request is IGNORED: only the tip is learned,
+    not its own actions or its earlier, possibly false, tips. Returns the examples and play statistics
+    (`tips_exact`: its own tip was the label, word for word)."""
+    generator = torch.Generator().manual_seed(seed)
+    examples, stats = [], {"episodes": 0, "score": 0.0, "tips_exact": 0, "unreplayable": 0}
+    eos = tok.eos_token_id
+    for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns,
+                                                                         variations_per_family, seed):
+        collector.engine = requests = _TipRequests(collector.engine)
         for r in range(episodes_per_instance):
             batch = collector.collect(specs, 1, iteration=r, generator=generator)
             for (family, variation, house), env, traj, request in zip(chunk, replay_envs, batch.trajectories,
@@ -432,7 +444,79 @@ def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: in
                 stats["tips_exact"] += traj.tip == tip
                 target = tok.encode(tip, add_special_tokens=False) + [eos]
                 examples.append((request + target, [IGNORED] * len(request) + [TARGET] * len(target)))
-        log(f"self-play: {start + len(chunk)}/{len(instances)} instances x {episodes_per_instance} episodes, "
+        collector.engine = requests.engine
+        log(f"self-play: {done}/{total} instances x {episodes_per_instance} episodes, "
             f"tips exact {stats['tips_exact']}/{stats['episodes']}")
+    stats["score"] /= max(stats["episodes"], 1)
+    return examples, stats
+
+
+# A reader that has the gold path's tip in its prompt still wins a minority of episodes: it names the thing the tip
+# names, but walks to another room, or focuses on it where it is not. Its mistakes compound where the scripted
+# episodes never went (a wrong room, a second hallway), so `reader_examples` labels the states its own tip-reading
+# episodes reach (DAgger for the reader).
+
+def expert_labels(env, family: str, variation: int, actions: list[str]) -> list[str]:
+    """The expert's action at each state `actions` reach from a reset while the expert can plan from it: while
+    every action so far was a move, the world is as it started but for where the agent stands, and the gold plan
+    from there (`Task.gold`, planned on the current world) is a shortest winning path. One label per action up to
+    and including the first that is not a move (the focus, say), fewer if the episode ends first."""
+    env.reset(task=family, variation=variation)
+    labels = []
+    for action in actions:
+        plan = env._task.gold(env._world)  # build-time labelling from the true house, never a prompt
+        if not plan:
+            break
+        labels.append(plan[0])
+        result = env.step(action)
+        if result.done or not (result.info["action"] or "go to ").startswith("go to "):
+            break  # (an action the env could not resolve changed nothing)
+    return labels
+
+
+def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
+                    log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(ids, kinds) per state the model reaches acting on a locating tip (DAgger for the reader): each dev instance
+    (`_own_play`) is played once with a memory holding the gold path's hindsight tip, with 0-2 tips of scripted
+    episodes of the same instance (prior-driven, careful search) as a LOCATED sequence has them, keyed as the
+    collector keys its own; every state it reached while only moving gives one example: the collector's own
+    prompt at that step (IGNORED), then the expert's action there (`expert_labels`) and end of turn (TARGET).
+    The tips in every such prompt say where what the task needs is, so the label asks only for what they tell.
+    Returns the examples and play statistics (`agreed`: states where its action was the expert's)."""
+    from empo2.memory import TipMemory
+
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    examples, stats = [], {"episodes": 0, "score": 0.0, "states": 0, "agreed": 0}
+    eos = tok.eos_token_id
+    for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns,
+                                                                         variations_per_family, seed):
+        texts, keys, metas = [], [], []
+        for (family, variation, house), env in zip(chunk, replay_envs):
+            env.reset(task=family, variation=variation)
+            gold = play(env, family, variation, house, env.gold_actions(), max_turns)
+            others = [play(env, family, variation, house, scripted(rng, trap=trap), max_turns)
+                      for trap in (True, False)]
+            for ep in [gold, *rng.sample(others, rng.randint(0, 2))]:
+                texts.append(hindsight_tip(ep))
+                keys.append(collector._key_text(env, ep.turns, ep.final_obs))
+                metas.append({"task": family, "variation": variation, "episode_return": ep.score / 100})
+        like = collector.memory
+        collector.memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
+        collector.memory.add(texts, collector.embedder.encode(keys), metas)
+        collector.settings.write_tips = False
+        batch = collector.collect(specs, 1, iteration=0, generator=generator)
+        for (family, variation, _), env, traj in zip(chunk, replay_envs, batch.trajectories):
+            stats["episodes"] += 1
+            stats["score"] += traj.score
+            actions = _actions(traj, tok)
+            for sample, action, label in zip(traj.samples, actions, expert_labels(env, family, variation, actions)):
+                stats["states"] += 1
+                stats["agreed"] += action == label
+                target = tok.encode(label, add_special_tokens=False) + [eos]
+                examples.append((sample.behaviour_ids + target,
+                                 [IGNORED] * len(sample.behaviour_ids) + [TARGET] * len(target)))
+        log(f"reader: {done}/{total} instances, score {stats['score'] / stats['episodes']:.1f}, "
+            f"expert's action at {stats['agreed']}/{stats['states']} states")
     stats["score"] /= max(stats["episodes"], 1)
     return examples, stats

@@ -20,12 +20,15 @@ from empo2.prior_tips import (
     SEARCH,
     TIP_FREE,
     TipPriorSettings,
+    _own_play,
     dev_episodes,
     ensure_minisci_tips,
     episode_sequence,
+    expert_labels,
     hindsight_tip,
     locates,
     prompt_builder,
+    reader_examples,
     replay,
     self_play_examples,
     training_sequences,
@@ -283,6 +286,64 @@ def test_self_play_trains_the_collectors_own_tip_requests_on_the_replayed_tip(sm
         assert text.endswith(request) and text.count("<|im_start|>user") >= 2  # the episode chat, then the request
         tip = tok.decode(ids[n:-1])
         assert tip.startswith("Seen: ") and tip.endswith(".") and "Final score " in tip
+
+
+def test_the_expert_labels_every_state_reached_by_moves_with_the_gold_plan_from_there(data):
+    """On the gold path the labels are the gold path, up to and including its first action that is not a move;
+    after a detour into a wrong room they lead back (moves only) to where the gold plan's first other action is
+    taken, and taking it scores; a failed focus ends the labels."""
+    def detour(inst):
+        """A first move that leaves the gold path for a room that is not the target's, if the start has one."""
+        path = [a for _, a in inst.gold.turns]
+        env = make_env("minisci", max_steps=100, **inst.gold.house)
+        env.reset(task=inst.gold.family, variation=inst.gold.variation)
+        focus = next(a for a in path if not a.startswith("go to "))
+        room = env._world.room_of(focus.removeprefix("focus on "))
+        return next((a for a in env.valid_actions() if a.startswith("go to ") and a not in (path[0], f"go to {room}")),
+                    None)
+
+    inst = next(i for i in data if i.gold.family == "find-living-thing" and detour(i))
+    gold = inst.gold
+    env = make_env("minisci", max_steps=100, **gold.house)
+    key = (gold.family, gold.variation)
+    path = [a for _, a in gold.turns]
+    first_other = next(i for i, a in enumerate(path) if not a.startswith("go to "))
+    assert expert_labels(env, *key, path) == path[:first_other + 1]
+
+    actions = [detour(inst)]
+    while actions[-1].startswith("go to ") and len(actions) < 10:  # play the expert from the detour on
+        actions.append(expert_labels(env, *key, actions + ["look around"])[-1])
+    assert actions[-1] == path[first_other] and all(a.startswith("go to ") for a in actions[:-1])
+    env.reset(task=gold.family, variation=gold.variation)
+    results = [env.step(a) for a in actions]
+    assert not any(r.info["failed"] for r in results) and results[-1].info["score"] >= 50  # the focus took
+
+    if inst.habit.failed_focus:  # the trapped episode: nothing after its failed focus is labelled
+        trapped = [a for _, a in inst.habit.turns]
+        assert len(expert_labels(env, *key, trapped + ["look around"])) == len(trapped)
+
+
+def test_reader_examples_label_the_collectors_own_prompts_under_a_locating_tip(small_policy):
+    """One example per state reached while only moving: the collector's prompt at that step (IGNORED), carrying
+    the gold path's tip in its tip block, then the expert's action and end of turn (TARGET); the first step's
+    label is the gold path's first action in that instance's house."""
+    model, tok = small_policy
+    examples, stats = reader_examples(model, tok, variations_per_family=1, log=lambda _: None)
+    _, chunk, _, envs, _ = next(_own_play(model, tok, 10, 1, 0))
+    assert len(examples) == stats["states"] >= stats["episodes"] == len(chunk)
+    firsts = []
+    for ids, kinds in examples:
+        n = kinds.index(TARGET)
+        assert set(kinds[:n]) == {IGNORED} and kinds[n:] == [TARGET] * (len(ids) - n) and ids[-1] == tok.eos_token_id
+        prompt = tok.decode(ids[:n])
+        assert TIP_HEADER in prompt and "<tip>Seen: " in prompt and prompt.endswith("<|im_start|>assistant\n")
+        if prompt.count("<|im_start|>assistant") == 1:
+            firsts.append(tok.decode(ids[n:-1]))
+    golds = []
+    for (family, variation, _), env in zip(chunk, envs):
+        env.reset(task=family, variation=variation)
+        golds.append(env.gold_actions()[0])
+    assert firsts == golds
 
 
 def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_ones(tmp_path, monkeypatch):
