@@ -334,32 +334,70 @@ def test_full_named_tensors_gathers_sharded_policies():
     assert sorted(results.get(timeout=5) for _ in procs) == [(0, [True, True]), (1, [True, True])]
 
 
-def test_identical_prompts_share_one_prefill_and_sample_as_a_plain_generate(policy, prompts):
-    """A chunk with repeated prompts (a group's first step) prefills each distinct prompt once, and still draws
-    exactly what one `model.generate` over the whole padded chunk draws with the same seed: the same
-    tokens, and the same log-probs to float32 rounding."""
-    model, tok = policy
-    engine = HFEngine(model, tok)
-    chunk = [prompts[2]] + [prompts[3]] * 3 + [prompts[4]] * 2  # sorted by length: the engine keeps this order
-    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_at_newline=False, logprobs=True)
-    passes = []
-    handle = model.get_decoder().register_forward_hook(lambda m, a, out: passes.append(out.last_hidden_state.shape))
-    try:
-        gens = engine.generate(chunk, params, seed=5)
-    finally:
-        handle.remove()
-    assert passes[0][:2] == (3, len(prompts[4]) - 1)  # the prefill: three distinct prompts, all but the last token
-    assert all(shape[:2] == (6, 1) for shape in passes[1:])  # then one token per row per pass
-    width = len(prompts[4])
+def _plain_generate(engine, chunk, params, seed):
+    """What one `model.generate` over the whole left-padded chunk draws with this seed: (sequences, logits)."""
+    model = engine.model
+    width = max(len(p) for p in chunk)
     ids = torch.tensor([[engine.pad_id] * (width - len(p)) + p for p in chunk])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
     config = engine._generation_config(params)
     config.output_logits = config.return_dict_in_generate = True
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return out.sequences[:, width:], out.logits
+
+
+def _decoder_passes(engine, chunk, params, seed):
+    passes = []
+    handle = engine.model.get_decoder().register_forward_hook(
+        lambda m, a, out: passes.append(out.last_hidden_state.shape))
+    try:
+        gens = engine.generate(chunk, params, seed=seed)
+    finally:
+        handle.remove()
+    return gens, passes
+
+
+def test_identical_prompts_share_one_prefill_and_sample_as_a_plain_generate(policy, prompts):
+    """A chunk with repeated prompts (a group's first step) prefills each distinct prompt once, unpadded (one
+    pass per prompt length, on a CPU), and still draws exactly what one `model.generate` over the whole padded
+    chunk draws with the same seed: the same tokens, and the same log-probs to float32 rounding."""
+    model, tok = policy
+    engine = HFEngine(model, tok)
+    chunk = [prompts[2]] + [prompts[3]] * 3 + [prompts[4]] * 2  # sorted by length: the engine keeps this order
+    assert len(prompts[2]) < len(prompts[3]) < len(prompts[4])
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_at_newline=False, logprobs=True)
+    gens, passes = _decoder_passes(engine, chunk, params, 5)
+    # the prefill: each distinct prompt alone, all but its last token; then one token per row per pass
+    assert passes[:3] == [torch.Size([1, len(p) - 1, model.config.hidden_size]) for p in prompts[2:5]]
+    assert all(shape[:2] == (6, 1) for shape in passes[3:])
+    sequences, logits = _plain_generate(engine, chunk, params, 5)
     for row, gen in enumerate(gens):
-        assert gen.token_ids == out.sequences[row, width:].tolist()
-        plain = [float(torch.log_softmax(step[row], -1)[t]) for step, t in zip(out.logits, gen.token_ids)]
+        assert gen.token_ids == sequences[row].tolist()
+        plain = [float(torch.log_softmax(step[row], -1)[t]) for step, t in zip(logits, gen.token_ids)]
         assert gen.logprobs == pytest.approx(plain, abs=1e-5)
     assert len({tuple(g.token_ids) for g in gens[:3]}) > 1  # copies of one prompt still sample their own responses
+
+
+def test_distinct_prompts_of_many_lengths_prefill_unpadded_and_sample_as_a_plain_generate(policy, prompts):
+    """Tip requests are whole episodes of very different lengths: prompts of one length share a pass, every
+    pass is unpadded, and the draws are those of one padded `model.generate` (tokens equal, log-probs to
+    float32 rounding), one-token prompts included."""
+    model, tok = policy
+    engine = HFEngine(model, tok)
+    one = [prompts[0][0]]
+    chunk = [one, prompts[0], prompts[1], list(reversed(prompts[1])), prompts[4]]
+    chunk = sorted(chunk, key=len)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_at_newline=False, logprobs=True)
+    gens, passes = _decoder_passes(engine, chunk, params, 11)
+    lengths = sorted({len(p) for p in chunk if len(p) > 1})
+    prefill = passes[:len(lengths)]
+    assert [shape[1] for shape in prefill] == [n - 1 for n in lengths]
+    assert [shape[0] for shape in prefill] == [sum(len(p) == n for p in chunk) for n in lengths]
+    assert all(shape[:2] == (len(chunk), 1) for shape in passes[len(lengths):])
+    sequences, logits = _plain_generate(engine, chunk, params, 11)
+    for row, gen in enumerate(gens):
+        assert gen.token_ids == sequences[row].tolist()
+        plain = [float(torch.log_softmax(step[row], -1)[t]) for step, t in zip(logits, gen.token_ids)]
+        assert gen.logprobs == pytest.approx(plain, abs=1e-5)
