@@ -19,7 +19,8 @@ Phases are the wall time inside the real methods, summed over the window, as sha
 (`RolloutCollector.collect`, its `generate` part separately), old log-probs (`EMPO2Module.old_logprobs`),
 update (`EMPO2Module.training_step`), validation (`RolloutCallback.validate`), checkpoint writes
 (`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Padding is the
-share of the update's (prompt + response) positions that are padding, peak RSS the process's maximum
+share of the positions the update's forward passes ran that are padding (beyond the samples' own prompt +
+response tokens), peak RSS the process's maximum
 resident memory (`ru_maxrss`, whole process, model load included).
 
     python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_gc]
@@ -111,12 +112,18 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     timed(checkpoint_io.AtomicCheckpointIO, "save_checkpoint", "checkpoint")
     real_loss = module.EMPO2Module.micro_batch_loss
 
-    def micro_batch_loss(self, micro):
+    def micro_batch_loss(self, micro):  # positions the update's forward passes ran vs the samples' own
         samples = [self.buffer.samples[i] for i in micro.indices]
         pad["real"] += sum(len(s.train_ids) + len(s.response_ids) for s in samples)
-        pad["padded"] += len(samples) * (max(len(s.train_ids) for s in samples) +
-                                         max(len(s.response_ids) for s in samples))
-        return real_loss(self, micro)
+
+        def count(_, args, kwargs):
+            pad["padded"] += (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).numel()
+
+        handle = self.policy.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            return real_loss(self, micro)
+        finally:
+            handle.remove()
 
     module.EMPO2Module.micro_batch_loss = micro_batch_loss
 

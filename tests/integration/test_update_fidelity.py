@@ -10,7 +10,7 @@ import torch
 
 from empo2 import core_algos
 from empo2.config import ModelConfig, load_config
-from empo2.lit.data import RolloutBuffer, plan_epoch
+from empo2.lit.data import RolloutBuffer, collate, plan_epoch
 from empo2.lit.module import EMPO2Module
 from empo2.models import load_policy
 from empo2.rollout.engines import HFEngine, SamplingParams
@@ -48,7 +48,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(policy):
     samples = _samples(model.config.vocab_size)
     micro = plan_epoch([len(s.response_ids) for s in samples], 1, len(samples), None,
                        torch.Generator().manual_seed(0))[0][0]
-    grads = []
+    grads, passes = [], []
     for checkpointing in (False, True):
         policy_copy = copy.deepcopy(model).train()
         if checkpointing:
@@ -61,8 +61,9 @@ def test_gradient_checkpointing_gives_the_same_gradient(policy):
         loss, _, _ = module.micro_batch_loss(micro)
         loss.backward()
         handle.remove()
-        assert len(recomputed) == (2 if checkpointing else 1)  # the layer ran again in the backward pass
+        passes.append(len(recomputed))
         grads.append({n: p.grad for n, p in policy_copy.named_parameters()})
+    assert passes[1] == 2 * passes[0]  # every pass of the layer ran again in the backward pass
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
@@ -140,6 +141,31 @@ def test_entropy_bonus_enters_the_loss(policy):
         losses[coef] = (loss.item(), metrics.get("entropy"))
     assert losses[0.0][1] is None and losses[0.5][1] > 0
     assert losses[0.5][0] == pytest.approx(losses[0.0][0] - 0.5 * losses[0.5][1], rel=1e-5)
+
+
+def test_rows_scored_unpadded_match_one_padded_pass_and_do_not_depend_on_their_batch(policy):
+    """On a CPU each row is scored unpadded (rows of one length together): its log-probs and entropies are
+    those of one left-padded, masked forward over the whole batch to float32 rounding, and, to the bit, the
+    same whatever else is in the micro-batch."""
+    model, tok = policy
+    cfg = load_config(["model=tiny"])
+    samples = _samples(model.config.vocab_size, n=9)
+    samples.append(copy.deepcopy(samples[3]))  # a second row of one length: scored in one pass with its twin
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+    batch = collate(samples, module.pad_id)
+    logp, entropy = module.response_logprobs(batch, with_entropy=True)  # (B, T) each
+    T = batch["response_ids"].shape[1]
+    with torch.no_grad():
+        padded = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], logits_to_keep=T + 1).logits[:, :-1].float()
+    mask = batch["response_mask"]
+    plain = torch.log_softmax(padded, -1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logp[mask], plain[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[mask], core_algos.entropy_from_logits(padded)[mask], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()  # padding too (masked out of every loss)
+    for b, sample in enumerate(samples):
+        alone = module.response_logprobs(collate([sample], module.pad_id))[0]  # (T_b,)
+        assert torch.equal(alone, logp[b, :len(sample.response_ids)])
 
 
 def test_old_logprobs_are_the_sampling_distribution_at_the_rollout_temperature(policy):
