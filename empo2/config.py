@@ -172,7 +172,8 @@ class RolloutConfig:
                                     "`trainer.precision=32-true` and `model.dtype=float32`; elsewhere the pass runs. "
                                     "The two agree to float32 rounding (a KV-cached decode step sums in another "
                                     "order, as batches of another shape do; tests bound it by 1e-5); false keeps "
-                                    "the pass, whose first on-policy ratio is 1 to the bit at micro_batch_size 1.")
+                                    "the pass, whose first on-policy ratio is 1 to the bit (on a GPU at micro_batch_size 1; on a "
+                                    "CPU every row is scored on its own, so at any size).")
 
 
 # ---------------------------------------------------------------------------------------------- memory
