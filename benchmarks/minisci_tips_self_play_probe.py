@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.models import save_cached_checkpoint
 from empo2.prior import behaviour_clone
 from empo2.prior_tips import TipPriorSettings, cached_prior, reader_examples, self_play_examples
@@ -74,8 +75,8 @@ def main() -> None:
                                                   lm_weight=settings.lm_weight)
         rounds.append(played)
         print(json.dumps(played))
-    save_cached_checkpoint(model, tok, {"probe_of": args.start or str(path), "args": vars(args), "self_play": rounds},
-                           Path(args.out))
+    save_cached_checkpoint(model, tok, {"probe_of": args.start or str(path), "args": vars(args), "self_play": rounds,
+                                        "prompt_layout": MINISCI_TIPS_LAYOUT}, Path(args.out))
     print(f"wrote {args.out}")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.models import save_cached_checkpoint
 from empo2.prior import CONTEXT, TARGET, behaviour_clone
 from empo2.prior_tips import TipPriorSettings, cached_prior
@@ -51,7 +52,7 @@ def main() -> None:
         stats = behaviour_clone(model, examples, probe, tok.pad_token_id, name="tip probe", by_length=True,
                                 lm_weight=settings.lm_weight)
     save_cached_checkpoint(model, tok, {"probe_of": str(path), "settings": dataclasses.asdict(probe),
-                                        "stats": stats}, Path(args.out))
+                                        "stats": stats, "prompt_layout": MINISCI_TIPS_LAYOUT}, Path(args.out))
     print(f"wrote {args.out}")
 
 

@@ -10,6 +10,7 @@ allowed range; the CLI prints that line and exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -172,8 +173,8 @@ class RolloutConfig:
                                     "`trainer.precision=32-true` and `model.dtype=float32`; elsewhere the pass runs. "
                                     "The two agree to float32 rounding (a KV-cached decode step sums in another "
                                     "order, as batches of another shape do; tests bound it by 1e-5); false keeps "
-                                    "the pass, whose first on-policy ratio is 1 to the bit (on a GPU at micro_batch_size 1; on a "
-                                    "CPU every row is scored on its own, so at any size).")
+                                    "the pass, whose first on-policy ratio is 1 to the bit (on a GPU at "
+                                    "micro_batch_size 1; on a CPU every row is scored on its own, so at any size).")
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -341,6 +342,28 @@ def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{key}={value} is out of range: expected {lo_s}, {hi_s}")
 
 
+# The prompt layout `minisci-tips` is trained on (conf/rollout/whole_chat.yaml): the whole chat, each turn keeping
+# the tips its prompt carried. Checkpoints derived from it record it in their `empo2_source.json` as
+# `prompt_layout`, so `model.name=hf model.path=<one of them>` is held to it too: a preset that sets the paper's
+# layout (e.g. experiment=empo2_paper_minisci) would otherwise run it, silently, on prompts it never saw.
+MINISCI_TIPS_LAYOUT = {"history_turns": None, "tips_in_history": True}
+
+
+def _trained_layout(model: ModelConfig) -> tuple[dict | None, str]:
+    """The rollout layout a policy must run with, and how to name the policy in the error; (None, "") if any."""
+    if model.name == "minisci-tips":
+        return MINISCI_TIPS_LAYOUT, "model.name=minisci-tips"
+    source = Path(model.path or "").expanduser() / "empo2_source.json"
+    if model.name == "hf" and model.path and source.is_file():
+        try:
+            layout = json.loads(source.read_text()).get("prompt_layout")
+        except (OSError, ValueError, AttributeError):
+            layout = None  # not a marker this project wrote: nothing is required
+        if isinstance(layout, dict):
+            return layout, f"model.path={model.path} (its empo2_source.json records the layout)"
+    return None, ""
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every field against its declared range, then the few rules that span fields."""
     if cfg.trainer.precision in ("16-mixed", "16", "16-true"):
@@ -354,12 +377,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 _check_field(prefix + f.name, f, getattr(obj, f.name))
     if cfg.model.name == "hf" and not cfg.model.path:
         raise ConfigError("model.path is required when model.name=hf: give a local checkpoint directory")
-    if cfg.model.name == "minisci-tips" and (cfg.rollout.history_turns is not None or not cfg.rollout.tips_in_history):
-        key, value = (("rollout.history_turns", cfg.rollout.history_turns) if cfg.rollout.history_turns is not None
-                      else ("rollout.tips_in_history", False))
-        raise ConfigError(f"{key}={value} is not allowed with model.name=minisci-tips: it was trained on the whole "
-                          "chat with each turn's tips kept; set rollout=whole_chat, which model=minisci_tips selects "
-                          "(rollout.history_turns=null rollout.tips_in_history=true)")
+    layout, trained = _trained_layout(cfg.model)
+    for key, want in (layout or {}).items():
+        if getattr(cfg.rollout, key) != want:
+            raise ConfigError(f"rollout.{key}={getattr(cfg.rollout, key)} is not allowed with {trained}: it was "
+                              "trained on the whole chat with each turn's tips kept; set rollout=whole_chat, which "
+                              "model=minisci_tips selects (rollout.history_turns=null rollout.tips_in_history=true)")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
     if cfg.env.name != "minisci":

@@ -229,9 +229,9 @@ def ready_path(name: str, settings: BCSettings) -> Path | None:
     return None
 
 
-def ensure_cached(name: str, settings: BCSettings, build, log=print) -> Path:
+def ensure_cached(name: str, settings: BCSettings, build, log=print, source: dict | None = None) -> Path:
     """Path of the prior `name` (cached or shipped), building it with `build(settings, log)` on first use
-    (temp dir + rename: never half-written)."""
+    (temp dir + rename: never half-written); `source` adds entries to its `empo2_source.json`."""
     from empo2.models import save_cached_checkpoint
 
     ready = ready_path(name, settings)
@@ -242,7 +242,7 @@ def ensure_cached(name: str, settings: BCSettings, build, log=print) -> Path:
         shutil.rmtree(target)
     log(f"{name}: building the policy once (cached at {target})")
     model, tok, stats = build(settings, log)
-    save_cached_checkpoint(model, tok, {"settings": asdict(settings), "stats": stats}, target)
+    save_cached_checkpoint(model, tok, {"settings": asdict(settings), "stats": stats, **(source or {})}, target)
     return target
 
 

@@ -40,14 +40,16 @@ from pathlib import Path
 
 import torch
 
+from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.prior import CONTEXT, IGNORED, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
 KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED)
-# The prompt layout the prior is trained on, and so runs with (conf/rollout/whole_chat.yaml, which
-# `model=minisci_tips` selects): the whole chat, each turn keeping the tips its prompt carried (the released
-# code's layout), within one budget that holds a 10-step episode with tips.
+# The prompt layout the prior is trained on, and so runs with (`empo2.config.MINISCI_TIPS_LAYOUT`, recorded in
+# every checkpoint built from it; conf/rollout/whole_chat.yaml, which `model=minisci_tips` selects): the whole
+# chat, each turn keeping the tips its prompt carried (the released code's layout), within one budget that
+# holds a 10-step episode with tips.
 MAX_PROMPT_TOKENS = 2048
 
 
@@ -330,7 +332,8 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
 
 def ensure_minisci_tips(settings: TipPriorSettings | None = None, log=print):
     """Path of the cached model, building it on first use."""
-    return ensure_cached("minisci-tips", settings or TipPriorSettings(), build_minisci_tips, log)
+    return ensure_cached("minisci-tips", settings or TipPriorSettings(), build_minisci_tips, log,
+                         source={"prompt_layout": MINISCI_TIPS_LAYOUT})
 
 
 def cached_prior(settings: TipPriorSettings, start=None):

@@ -2,9 +2,12 @@
 collector formats them, every step's prompt a prefix of its episode's chat), hindsight tips that say only what
 the episode's observations showed, actions with tips that follow what the tips say, and a cache built once."""
 
+import json
+
 import pytest
 import torch
 
+from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.envs import make_env
 from empo2.envs.minisci import catalogue
 from empo2.envs.minisci.env import build
@@ -222,6 +225,8 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     logs = []
     path = ensure_minisci_tips(SMALL, log=logs.append)
     assert (path / "empo2_source.json").is_file() and path.name.startswith("minisci-tips-")
+    # it records the layout it was trained on, so `model.name=hf model.path=` copies are held to it (test_config)
+    assert json.loads((path / "empo2_source.json").read_text())["prompt_layout"] == MINISCI_TIPS_LAYOUT
     assert ensure_minisci_tips(SMALL, log=logs.append) == path
     assert sum("building" in line for line in logs) == 1
     model, tok = _load_local(path, torch.float32)

@@ -15,7 +15,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.config import ConfigError, load_config
+from empo2.config import MINISCI_TIPS_LAYOUT, ConfigError, load_config
 from empo2.envs import get_catalogue
 from empo2.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.experiments import EXPERIMENTS_DIR
@@ -219,6 +219,21 @@ def test_grid_files_plan_every_preset_and_seed():
     _, gpu_runs = plan_grid(EXPERIMENTS_DIR / "ablations.yaml", seeds=1)
     assert [r.preset for r in gpu_runs] == ["empo2_paper", "empo2_official", "grpo", "no_offpolicy",
                                             "no_intrinsic", "memory_only"]
+
+
+def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on(tmp_path):
+    """The paper presets set tips_in_history=false; the grid puts the prior's own layout back, and a checkpoint
+    that records its layout would refuse the grid if it did not (test_config)."""
+    (tmp_path / "empo2_source.json").write_text(json.dumps({"prompt_layout": MINISCI_TIPS_LAYOUT}))
+    grid_id, runs = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips.yaml", seeds=1,
+                              overrides=[f"model.path={tmp_path}"])
+    assert [r.preset for r in runs] == ["empo2_paper_minisci", "grpo_minisci", "no_offpolicy_minisci",
+                                        "no_intrinsic_minisci", "memory_only_minisci"]
+    for r in runs:
+        c = r.cfg
+        assert (c.rollout.history_turns, c.rollout.tips_in_history, c.memory.top_k, c.env.tasks) == \
+            (None, True, 3, ["find-living-thing"])
+        assert c.trainer.val_train and c.env.val_split == "test"
 
 
 def test_shipped_sweeps_load():

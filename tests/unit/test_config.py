@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,23 @@ def test_minisci_tips_runs_only_on_the_prompt_layout_it_was_trained_on():
         load_config(["model=minisci_tips", "rollout.history_turns=2"])
     with pytest.raises(ConfigError, match=r"^rollout.tips_in_history=False is not allowed with model.name=minisci"):
         load_config(["model=minisci_tips", "rollout=whole_chat", "rollout.tips_in_history=false"])
+
+
+def test_a_checkpoint_that_records_its_prompt_layout_is_held_to_it(tmp_path):
+    """A fine-tuned copy of minisci-tips loaded as `model.name=hf` keeps the layout it was trained on, even under
+    a preset that sets another (the paper's): the layout comes from the checkpoint's own marker."""
+    from empo2.config import MINISCI_TIPS_LAYOUT
+
+    (tmp_path / "empo2_source.json").write_text(json.dumps({"prompt_layout": MINISCI_TIPS_LAYOUT}))
+    hf = ["model.name=hf", f"model.path={tmp_path}", "rollout=whole_chat"]
+    assert load_config(hf).rollout.tips_in_history
+    with pytest.raises(ConfigError, match=r"^rollout.tips_in_history=False is not allowed with model.path="):
+        load_config(["experiment=empo2_paper_minisci", *hf])  # the preset's value wins over the group's
+    with pytest.raises(ConfigError, match=r"^rollout.history_turns=2 is not allowed with model.path="):
+        load_config([*hf, "rollout.history_turns=2"])
+    (tmp_path / "empo2_source.json").write_text(json.dumps({"gguf": "x"}))  # a marker without a layout
+    plain = load_config(["model.name=hf", f"model.path={tmp_path}", "rollout.history_turns=2"])
+    assert plain.rollout.history_turns == 2
 
 
 def test_nan_is_rejected():
