@@ -121,6 +121,7 @@ def run_findings(history: list[dict]) -> list[str]:
     after training (held-out and on the training instances), and the scores of rollouts that carried tips
     beside tip-free ones over the whole run, weighted by episodes (the memory is live only if the first is
     higher)."""
+    from empo2.compare import rollout_scores_by_mode
     from empo2.utils import plural
 
     lines = []
@@ -131,11 +132,7 @@ def run_findings(history: list[dict]) -> list[str]:
             lines.append(f"{label}: {points[0][1]:.1f} before training -> {points[-1][1]:.1f} after")
         elif points:
             lines.append(f"{label}: {points[-1][1]:.1f} after training")
-    totals = {}
-    for name in ("memory", "tipfree"):
-        n = sum(h.get(f"rollout/episodes_{name}", 0.0) for h in history)
-        total = sum(h.get(f"rollout/episodes_{name}", 0.0) * h.get(f"rollout/score_{name}", 0.0) for h in history)
-        totals[name] = (total / n, int(n)) if n else None
+    totals = rollout_scores_by_mode(history)
     if totals["memory"] and totals["tipfree"]:
         (mem, n_mem), (free, n_free) = totals["memory"], totals["tipfree"]
         lines.append(f"training rollouts: {mem:.1f} with tips ({plural(n_mem, 'episode')}) vs {free:.1f} tip-free "

@@ -5,8 +5,11 @@ reads the final value of each metric (MLflow's latest, which is what the run's s
 and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a logged parameter (default:
 `trial` when the runs are a sweep's trials, else `preset`), and writes:
 
-- `compare.md` and `compare.csv`: per group the number of runs and mean ± std (sample std over
-  runs, i.e. seeds) of each metric;
+- `compare.md` and `compare.csv`: per group the number of runs and, for each metric, the mean ± std (sample
+  std over runs, i.e. seeds) and a 95% percentile bootstrap interval of the mean over runs (seeded, so a
+  report is reproducible); where runs drew memory modes, also the score of the rollouts that carried tips
+  and of the tip-free ones pooled over each run (`rollout/score_memory (run)`, weighted by episodes: the
+  memory is live only if the first is higher);
 - `curve_<metric>.png`: per group the mean learning curve over runs with a ±1 std band;
 - for every Optuna study in the experiment (its parent run is tagged `empo2.role=study`):
   `importance_<study>.png` (parameter importances) and `trials_<study>.csv` (every trial).
@@ -23,12 +26,28 @@ from pathlib import Path
 import numpy as np
 
 from empo2.config import ConfigError
+from empo2.stats import bootstrap_ci
 
 # scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
 # EMPO² with GRPO like for like
 DEFAULT_METRICS = ("val/score_nomem", "val/success_nomem", "val/score_mem", "val/success_mem",
                    "val_train/score_nomem", "rollout/score", "rollout/success", "rollout/ext_return")
 STUDY_ROLE = ("empo2.role", "study")
+# Per-iteration rollout scores by memory mode, pooled over a run into one derived metric each
+MODES = ("memory", "tipfree")
+POOLED = tuple(f"rollout/score_{mode} (run)" for mode in MODES)
+
+
+def rollout_scores_by_mode(history: list[dict]) -> dict[str, tuple[float, int] | None]:
+    """Per memory mode, the score of a run's training rollouts in that mode, weighted by episodes, and their
+    number (None where no episode ran in it). history: per iteration, `rollout/episodes_<mode>` and
+    `rollout/score_<mode>` where that iteration logged them."""
+    pooled = {}
+    for mode in MODES:
+        n = sum(h.get(f"rollout/episodes_{mode}", 0.0) for h in history)
+        total = sum(h.get(f"rollout/episodes_{mode}", 0.0) * h.get(f"rollout/score_{mode}", 0.0) for h in history)
+        pooled[mode] = (total / n, int(n)) if n else None
+    return pooled
 
 
 def _client(tracking_uri: str):
@@ -44,16 +63,34 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample std (ddof=1); the std of a single run is NaN, not 0: one seed shows no spread."""
+SUMMARY = ("mean", "std", "ci95_low", "ci95_high")
+
+
+def _summarize(values: list[float]) -> tuple[float, float, float, float]:
+    """Mean, sample std (ddof=1) and the 95% bootstrap interval of the mean over runs; the std and interval
+    of a single run are NaN, not 0: one seed shows no spread."""
     arr = np.asarray(values, dtype=float)
-    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
+    if len(arr) < 2:
+        return float(arr.mean()), math.nan, math.nan, math.nan
+    _, low, high = bootstrap_ci(arr)
+    return float(arr.mean()), float(arr.std(ddof=1)), low, high
 
 
-def _fmt(mean: float, std: float) -> str:
+def _fmt(mean: float, std: float, low: float, high: float) -> str:
     if math.isnan(mean):
         return "—"  # no run of the group logs this metric (e.g. val/score_mem without memory)
-    return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+    return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g} [{low:.4g}, {high:.4g}]"
+
+
+def _pooled_by_mode(client, run) -> dict[str, float]:
+    """The run's `POOLED` metrics, from its per-iteration history in MLflow (absent for a mode it never ran)."""
+    steps: dict[int, dict] = defaultdict(dict)
+    for mode in MODES:
+        for key in (f"rollout/episodes_{mode}", f"rollout/score_{mode}"):
+            for point in client.get_metric_history(run.info.run_id, key):
+                steps[point.step][key] = point.value
+    pooled = rollout_scores_by_mode([steps[k] for k in sorted(steps)])
+    return {name: v[0] for name, v in zip(POOLED, (pooled[m] for m in MODES)) if v is not None}
 
 
 def _group_order(name: str) -> tuple:
@@ -94,33 +131,41 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
+    finals = {r.info.run_id: dict(r.data.metrics) for r in finished}
+    pooled = []
+    if "rollout/episodes_memory" in present:  # runs that drew memory modes: pool each mode's score over the run
+        for r in finished:
+            finals[r.info.run_id].update(_pooled_by_mode(client, r))
+        pooled = [m for m in POOLED if any(m in f for f in finals.values())]
     rows = []
     for name in sorted(groups, key=_group_order):
         row = {"group": name, "runs": len(groups[name])}
-        for m in metrics:
-            values = [r.data.metrics[m] for r in groups[name] if m in r.data.metrics]
-            row[m] = _mean_std(values) if values else (math.nan, math.nan)
+        for m in metrics + pooled:
+            values = [finals[r.info.run_id][m] for r in groups[name] if m in finals[r.info.run_id]]
+            row[m] = _summarize(values) if values else (math.nan,) * len(SUMMARY)
         rows.append(row)
     table_md, table_csv = out / "compare.md", out / "compare.csv"
-    _write_tables(rows, metrics, group_by, experiment, table_md, table_csv)
+    _write_tables(rows, metrics + pooled, group_by, experiment, table_md, table_csv)
     curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png", x) for m in metrics]
     sweep_files = []
     for study_run in studies:
         sweep_files += _study_outputs(study_run, storage, out)
-    return {"rows": rows, "metrics": metrics, "group_by": group_by, "table": str(table_md), "csv": str(table_csv),
-            "curves": [str(p) for p in curves], "sweep": [str(p) for p in sweep_files], "out": str(out)}
+    return {"rows": rows, "metrics": metrics + pooled, "group_by": group_by, "table": str(table_md),
+            "csv": str(table_csv), "curves": [str(p) for p in curves], "sweep": [str(p) for p in sweep_files],
+            "out": str(out)}
 
 
 def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experiment: str, md: Path, csv_path: Path):
     head = [group_by, "runs", *metrics]
-    lines = [f"# {experiment}: final metrics, mean ± std over runs", "", "| " + " | ".join(head) + " |",
+    lines = [f"# {experiment}: final metrics, mean ± std over runs [95% bootstrap interval of the mean]", "",
+             "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for row in rows:
         lines.append("| " + " | ".join([str(row["group"]), str(row["runs"])] + [_fmt(*row[m]) for m in metrics]) + " |")
     md.write_text("\n".join(lines) + "\n")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([group_by, "runs"] + [f"{m} {s}" for m in metrics for s in ("mean", "std")])
+        w.writerow([group_by, "runs"] + [f"{m} {s}" for m in metrics for s in SUMMARY])
         for row in rows:
             w.writerow([row["group"], row["runs"]] + [repr(v) for m in metrics for v in row[m]])
 

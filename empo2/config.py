@@ -44,9 +44,11 @@ class ModelConfig:
                     "for an instruct LLM (built on first use, see empo2/prior.py); `minisci-tips`: the same size, "
                     "also trained to act on tips and to write hindsight tips, meant to make the memory live on a "
                     "CPU; it selects the prompt layout it was trained on (rollout=whole_chat); its calibration is "
-                    "in the README (empo2/prior_tips.py); "
+                    "in the README (empo2/prior_tips.py); `minisci-tips-reader`: minisci-tips after two rounds of "
+                    "learning to act on tips from the states its own episodes reach, the prior whose memory is "
+                    "live on find-living-thing (shipped; same layout); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
-                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "hf",
+                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "minisci-tips-reader", "hf",
                              "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
@@ -351,8 +353,8 @@ MINISCI_TIPS_LAYOUT = {"history_turns": None, "tips_in_history": True}
 
 def _trained_layout(model: ModelConfig) -> tuple[dict | None, str]:
     """The rollout layout a policy must run with, and how to name the policy in the error; (None, "") if any."""
-    if model.name == "minisci-tips":
-        return MINISCI_TIPS_LAYOUT, "model.name=minisci-tips"
+    if model.name in ("minisci-tips", "minisci-tips-reader"):
+        return MINISCI_TIPS_LAYOUT, f"model.name={model.name}"
     source = Path(model.path or "").expanduser() / "empo2_source.json"
     if model.name == "hf" and model.path and source.is_file():
         try:

