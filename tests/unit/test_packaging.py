@@ -30,3 +30,17 @@ def test_ranges_admit_vllm_pins():
     assert SpecifierSet(deps["torch"]).contains("2.14.0") and SpecifierSet(deps["torch"]).contains("2.13.0")
     assert SpecifierSet(deps["transformers"]).contains("5.16.1")
     assert not SpecifierSet(deps["transformers"]).contains("5.21.0")
+
+
+def test_make_demo_runs_a_valid_config_with_the_shipped_prior():
+    """`make demo` must work on a fresh machine: its overrides compose and validate, and its policy is shipped
+    (nothing is built or downloaded)."""
+    from empo2.config import load_config
+    from empo2.models import preset_status
+
+    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if "/empo2 train" in ln)
+    cfg = load_config(line.split("empo2 train", 1)[1].split())
+    assert (cfg.model.name, cfg.algo.name, cfg.memory.enabled) == ("minisci-tips-reader", "empo2", True)
+    assert cfg.trainer.val_before_train and cfg.trainer.val_train  # the report shows before and after
+    status = {name: s for name, s, _ in preset_status()}
+    assert status[cfg.model.name] == "available (shipped)"
