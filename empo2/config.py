@@ -381,10 +381,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("model.path is required when model.name=hf: give a local checkpoint directory")
     layout, trained = _trained_layout(cfg.model)
     for key, want in (layout or {}).items():
-        if getattr(cfg.rollout, key) != want:
+        if hasattr(cfg.rollout, key) and getattr(cfg.rollout, key) != want:
             raise ConfigError(f"rollout.{key}={getattr(cfg.rollout, key)} is not allowed with {trained}: it was "
-                              "trained on the whole chat with each turn's tips kept; set rollout=whole_chat, which "
-                              "model=minisci_tips selects (rollout.history_turns=null rollout.tips_in_history=true)")
+                              f"trained with rollout.{key}={json.dumps(want)} (rollout=whole_chat, "
+                              "which model=minisci_tips and model=minisci_tips_reader select, sets that layout)")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
     if cfg.env.name != "minisci":
