@@ -249,14 +249,15 @@ def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on
             ("minisci-tips-reader", None, True, 3, ["find-living-thing"])
         assert c.trainer.val_train and c.env.val_split == "test" and c.torch_threads == 1
         assert dataclasses.asdict(c.algo) == dataclasses.asdict(under.algo)
-    _, ranked = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips_rank_score.yaml", seeds=1)
     same = {r.preset: r.cfg for r in runs}
-    assert [r.preset for r in ranked] == [p for p in same if p != "grpo_minisci_tips"]
-    for r in ranked:  # the same runs but for the ranking, logged apart
-        assert r.cfg.memory.rank_by == "score" and same[r.preset].memory.rank_by == "similarity"
-        assert dataclasses.replace(r.cfg.memory, rank_by="similarity") == same[r.preset].memory
-        assert dataclasses.asdict(r.cfg.algo) == dataclasses.asdict(same[r.preset].algo)
-        assert r.cfg.logger.experiment == "empo2-headline-minisci-tips-rank-score"
+    for grid, top_k in (("rank_score", 3), ("top1", 1)):  # the same runs but for the memory's reading, logged apart
+        _, ranked = plan_grid(EXPERIMENTS_DIR / f"headline_minisci_tips_{grid}.yaml", seeds=1)
+        assert [r.preset for r in ranked] == [p for p in same if p != "grpo_minisci_tips"]
+        for r in ranked:
+            assert (r.cfg.memory.rank_by, r.cfg.memory.top_k) == ("score", top_k)
+            assert dataclasses.replace(r.cfg.memory, rank_by="similarity", top_k=3) == same[r.preset].memory
+            assert dataclasses.asdict(r.cfg.algo) == dataclasses.asdict(same[r.preset].algo)
+            assert r.cfg.logger.experiment == f"empo2-headline-minisci-tips-{grid.replace('_', '-')}"
 
 
 def test_shipped_sweeps_load():
