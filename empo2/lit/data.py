@@ -40,7 +40,8 @@ def collate(samples: list[StepSample], pad_id: int, prompt: str = "train") -> di
     positions only (no full-vocabulary logits over prompt tokens).
 
     prompt: "train" (the learner's prompt: tip-free for off-policy samples) or "behaviour".
-    Returns input_ids/attention_mask/position_ids (B, P+T), response_ids/response_mask (B, T).
+    Returns input_ids/attention_mask/position_ids (B, P+T), response_ids/response_mask (B, T) and
+    prefix_len (B,): the shared system and task part of each prompt (`StepSample.prefix_len`).
     """
     prompts = [s.train_ids if prompt == "train" else s.behaviour_ids for s in samples]
     P = max(len(p) for p in prompts)
@@ -58,7 +59,8 @@ def collate(samples: list[StepSample], pad_id: int, prompt: str = "train") -> di
     # left padding shifts positions: count only real tokens so a prompt is encoded the same padded or not
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "response_ids": input_ids[:, P:], "response_mask": response_mask}
+            "response_ids": input_ids[:, P:], "response_mask": response_mask,
+            "prefix_len": torch.tensor([s.prefix_len for s in samples], dtype=torch.long)}
 
 
 def derive_seed(*parts: int) -> int:

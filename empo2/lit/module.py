@@ -23,6 +23,7 @@ from empo2.config import AlgoConfig, TrainerConfig
 from empo2.errors import NonFiniteLossError
 from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
+from empo2.prefix_cache import PrefixCaches
 from empo2.rollout.types import StepSample
 
 NONFINITE_CHECKPOINT = "nonfinite.ckpt"
@@ -75,25 +76,40 @@ class EMPO2Module(L.LightningModule):
 
         On a CPU each row runs unpadded, rows of one length together: no attention mask, so the attention kernel
         skips the causal half, and no positions are spent on padding (a 16-row micro-batch of the headline's
-        200-380-token prompts: forward and backward 16% faster; SmolLM2, 8 rows: 12%). Every row's numbers are
-        then its own, whatever it is batched with. On a GPU one padded pass is cheaper than a pass per length."""
+        200-380-token prompts: forward and backward 16% faster; SmolLM2, 8 rows: 12%). Rows that share their
+        system and task text (`prefix_len`) run it once: a first pass over each distinct prefix keeps its keys
+        and values, and the rest of every row attends to them (a headline micro-batch: 30% fewer positions,
+        forward and backward 12-16% faster). Where a row is cut depends on the row alone, so every row's numbers
+        are its own, whatever it is batched with. On a GPU one padded pass is cheaper than a pass per length."""
         T = batch["response_ids"].shape[1]
         if batch["input_ids"].device.type != "cpu":
             return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False).logits
         mask = batch["attention_mask"].bool()  # (B, P+T): a row's real tokens are contiguous
-        response = batch["response_mask"].sum(-1).tolist()  # (B,) response lengths
-        groups: dict[tuple[int, int], list[int]] = {}
-        for b, (n, t) in enumerate(zip(mask.sum(-1).tolist(), response)):
-            groups.setdefault((n, t), []).append(b)
-        parts, rows = [], []
-        for (_, t), members in groups.items():
-            ids = torch.stack([batch["input_ids"][b][mask[b]] for b in members])  # (m, n): prompt + response
-            out = model(input_ids=ids, logits_to_keep=t + 1, use_cache=False).logits  # (m, t+1, V)
+        lengths, response = mask.sum(-1).tolist(), batch["response_mask"].sum(-1).tolist()
+        rows = [batch["input_ids"][b][mask[b]] for b in range(len(lengths))]  # (n_b,) prompt + response each
+        # a kept prefix needs the key/value cache, which gradient checkpointing drops; the second pass must hold
+        # the last prompt token (its logits predict the first response token)
+        share = "prefix_len" in batch and not getattr(model, "is_gradient_checkpointing", False)
+        cut = [c if 0 < c < n - t else 0 for c, n, t in
+               zip(batch["prefix_len"].tolist() if share else [0] * len(rows), lengths, response)]
+        prefix = [tuple(row[:c].tolist()) for row, c in zip(rows, cut)]  # () where a row is not cut
+        caches = PrefixCaches(model.get_decoder(), prefix, rows[0].device)
+        if not caches.ok:  # layers whose cache is not plain keys and values (sliding window, ...)
+            cut = [0] * len(rows)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for b, (c, n, t) in enumerate(zip(cut, lengths, response)):
+            groups.setdefault((c, n, t), []).append(b)
+        parts, order = [], []
+        for (c, _, t), members in groups.items():
+            ids = torch.stack([rows[b][c:] for b in members])  # (m, n - c)
+            past = caches.rows([prefix[b] for b in members]) if c else None
+            out = model(input_ids=ids, past_key_values=past, use_cache=past is not None,
+                        logits_to_keep=t + 1).logits  # (m, t+1, V)
             parts.append(torch.nn.functional.pad(out, (0, 0, 0, T - t)))  # (m, T+1, V)
-            rows += members
+            order += members
         logits = torch.cat(parts)  # (B, T+1, V) in group order
-        return logits[torch.tensor(rows).argsort()]  # back to batch order
+        return logits[torch.tensor(order).argsort()]  # back to batch order
 
     def _precision(self):
         """The autocast context the update runs in (Lightning enters it around `training_step`), for the
@@ -256,3 +272,4 @@ class EMPO2Module(L.LightningModule):
         state = checkpoint.get("empo2_module", {})
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
+

@@ -171,7 +171,8 @@ class RolloutCollector:
                     behaviour_ids=prompt.ids,
                     train_ids=prompt.without_tips() if offpolicy else prompt.ids,
                     response_ids=gen.token_ids, memory=prompt.has_tips, offpolicy=offpolicy,
-                    group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs))
+                    group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs,
+                    prefix_len=prompt.prefix_len))
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
                 res = envs[i].step(gen.text)
                 traj.ext_return += res.reward

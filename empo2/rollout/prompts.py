@@ -43,10 +43,13 @@ class Prompt:
 
     ids: the prompt, ending with the template's generation prompt (assistant header).
     tip_spans: [start, end) of each tip block's tokens inside `ids`, in order (empty without tips).
+    prefix_len: where the task text ends: `ids[:prefix_len]` is the system and task part, the same with or
+        without tips, which every prompt of one task shares (0: no task piece).
     """
 
     ids: list[int]
     tip_spans: list[tuple[int, int]] = field(default_factory=list)
+    prefix_len: int = 0
 
     @property
     def has_tips(self) -> bool:
@@ -194,16 +197,18 @@ class PromptBuilder:
                 + sum(len(ids) for _, pieces in msgs for kind, ids in pieces if kind != "tip"))
 
     def _join(self, msgs: list[_Message]) -> Prompt:
-        """Template and content ids interleaved, and the tip spans."""
+        """Template and content ids interleaved, the tip spans and the end of the task text."""
         template = self._template_pieces(tuple((role, len(pieces)) for role, pieces in msgs))
         ids = list(template[0])
-        spans = []
+        spans, prefix_len = [], 0
         for (kind, piece), tmpl in zip((p for _, pieces in msgs for p in pieces), template[1:]):
             if kind == "tip":
                 spans.append((len(ids), len(ids) + len(piece)))
             ids += piece
+            if kind == "task":
+                prefix_len = len(ids)
             ids += tmpl
-        return Prompt(ids, spans)
+        return Prompt(ids, spans, prefix_len)
 
     # --------------------------------------------------------------------------------------- templates
     def _template_pieces(self, layout: tuple[tuple[str, int], ...]) -> list[list[int]]:

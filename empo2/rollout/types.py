@@ -25,6 +25,9 @@ class StepSample:
     # log pi_T(response token) recorded by `generate` when it is exactly the distribution the trainer scores
     # (see `CollectorSettings.record_logprobs`); None: the trainer scores the behaviour prompt itself
     behaviour_logprobs: list[float] | None = None
+    # both prompts' first prefix_len tokens are the system and task text (`Prompt.prefix_len`): the CPU update
+    # runs them once for all rows of a micro-batch that share them; 0: no shared part
+    prefix_len: int = 0
 
 
 @dataclass

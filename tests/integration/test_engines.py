@@ -5,6 +5,7 @@ import copy
 import os
 import sys
 import types
+from collections import Counter
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from empo2.config import EngineConfig, ModelConfig
 from empo2.models import load_policy
 from empo2.rollout.engines import HFEngine, SamplingParams, StopTokens, VLLMEngine, build_engine, full_named_tensors
+from empo2.rollout.engines.hf import _stems
 from empo2.rollout.prompts import PromptBuilder
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, stop_at_newline=False)
@@ -359,19 +361,34 @@ def _decoder_passes(engine, chunk, params, seed):
     return gens, passes
 
 
+def _planned_prefill(chunk, hidden):
+    """The prefill passes `_stems` plans for a chunk: one per stem length over the distinct stems, then one per
+    (stem, length) over the distinct prompts' rests; unpadded, all but each prompt's last token."""
+    cached = [p[:-1] for p in dict.fromkeys(tuple(p) for p in chunk) if len(p) > 1]
+    stems = _stems(cached)
+    distinct = {c[:n] for c, n in zip(cached, stems) if n}
+    passes = [torch.Size([sum(len(d) == n for d in distinct), n, hidden]) for n in {len(d) for d in distinct}]
+    groups = Counter((n, len(c)) for c, n in zip(cached, stems))
+    return sorted(passes + [torch.Size([m, length - n, hidden]) for (n, length), m in groups.items()]), stems
+
+
 def test_identical_prompts_share_one_prefill_and_sample_as_a_plain_generate(policy, prompts):
-    """A chunk with repeated prompts (a group's first step) prefills each distinct prompt once, unpadded (one
-    pass per prompt length, on a CPU), and still draws exactly what one `model.generate` over the whole padded
-    chunk draws with the same seed: the same tokens, and the same log-probs to float32 rounding."""
+    """A chunk with repeated prompts (a group's first step) prefills each distinct prompt once, unpadded, their
+    common stem (system prompt, task, first turns) once for all, and still draws exactly what one
+    `model.generate` over the whole padded chunk draws with the same seed: the same tokens, and the same
+    log-probs to float32 rounding."""
     model, tok = policy
     engine = HFEngine(model, tok)
     chunk = [prompts[2]] + [prompts[3]] * 3 + [prompts[4]] * 2  # sorted by length: the engine keeps this order
     assert len(prompts[2]) < len(prompts[3]) < len(prompts[4])
     params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_at_newline=False, logprobs=True)
     gens, passes = _decoder_passes(engine, chunk, params, 5)
-    # the prefill: each distinct prompt alone, all but its last token; then one token per row per pass
-    assert passes[:3] == [torch.Size([1, len(p) - 1, model.config.hidden_size]) for p in prompts[2:5]]
-    assert all(shape[:2] == (6, 1) for shape in passes[3:])
+    # the prefill: the stem, then each distinct prompt's rest, all but its last token; then one token per row
+    planned, stems = _planned_prefill(chunk, model.config.hidden_size)
+    assert min(stems) > 0 and len(planned) == 4  # one stem and 3 rests
+    assert sorted(passes[:4]) == planned
+    assert sum(shape[1] for shape in planned) < sum(len(p) - 1 for p in prompts[2:5])
+    assert all(shape[:2] == (6, 1) for shape in passes[4:])
     sequences, logits = _plain_generate(engine, chunk, params, 5)
     for row, gen in enumerate(gens):
         assert gen.token_ids == sequences[row].tolist()
@@ -382,8 +399,8 @@ def test_identical_prompts_share_one_prefill_and_sample_as_a_plain_generate(poli
 
 def test_distinct_prompts_of_many_lengths_prefill_unpadded_and_sample_as_a_plain_generate(policy, prompts):
     """Tip requests are whole episodes of very different lengths: prompts of one length share a pass, every
-    pass is unpadded, and the draws are those of one padded `model.generate` (tokens equal, log-probs to
-    float32 rounding), one-token prompts included."""
+    pass is unpadded, those that start alike run their stem once, and the draws are those of one padded
+    `model.generate` (tokens equal, log-probs to float32 rounding), one-token prompts included."""
     model, tok = policy
     engine = HFEngine(model, tok)
     one = [prompts[0][0]]
@@ -391,11 +408,9 @@ def test_distinct_prompts_of_many_lengths_prefill_unpadded_and_sample_as_a_plain
     chunk = sorted(chunk, key=len)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_at_newline=False, logprobs=True)
     gens, passes = _decoder_passes(engine, chunk, params, 11)
-    lengths = sorted({len(p) for p in chunk if len(p) > 1})
-    prefill = passes[:len(lengths)]
-    assert [shape[1] for shape in prefill] == [n - 1 for n in lengths]
-    assert [shape[0] for shape in prefill] == [sum(len(p) == n for p in chunk) for n in lengths]
-    assert all(shape[:2] == (len(chunk), 1) for shape in passes[len(lengths):])
+    planned, _ = _planned_prefill(chunk, model.config.hidden_size)
+    assert sorted(passes[:len(planned)]) == planned
+    assert all(shape[:2] == (len(chunk), 1) for shape in passes[len(planned):])
     sequences, logits = _plain_generate(engine, chunk, params, 11)
     for row, gen in enumerate(gens):
         assert gen.token_ids == sequences[row].tolist()

@@ -74,6 +74,18 @@ def test_embedder_batches_do_not_change_vectors(embedder):
     np.testing.assert_allclose(small.encode(texts), embedder.encode(texts), atol=1e-5)
 
 
+def test_embedder_embeds_a_repeated_text_once(embedder, monkeypatch):
+    texts = ["the frog is outside", "go to the kitchen", "the frog is outside", "the frog is outside"]
+    seen = []
+    real = embedder.model.encode
+    monkeypatch.setattr(embedder.model, "encode", lambda batch, **kw: seen.append(list(batch)) or real(batch, **kw))
+    out = embedder.encode(texts)
+    assert seen == [["the frog is outside", "go to the kitchen"]]
+    np.testing.assert_array_equal(out[0], out[2])
+    np.testing.assert_array_equal(out[0], out[3])
+    np.testing.assert_allclose(out[:2], embedder.encode(texts[:2]), atol=1e-6)
+
+
 def test_embedder_missing_model_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         Embedder(tmp_path / "nope")

@@ -3,6 +3,7 @@ first-step ratios under bf16 autocast and a sampling temperature, and a generati
 own weights synced after a resume."""
 
 import copy
+import dataclasses
 
 import lightning as L
 import pytest
@@ -166,6 +167,78 @@ def test_rows_scored_unpadded_match_one_padded_pass_and_do_not_depend_on_their_b
     for b, sample in enumerate(samples):
         alone = module.response_logprobs(collate([sample], module.pad_id))[0]  # (T_b,)
         assert torch.equal(alone, logp[b, :len(sample.response_ids)])
+
+
+def _shared_prefix_samples(vocab: int) -> list[StepSample]:
+    """Two tasks' rows: each task's rows start with its own system-and-task prefix (`prefix_len`), some of
+    equal total length (one suffix pass), one off-policy with a tip span after the prefix; plus a row without
+    a prefix and one whose prefix would leave no prompt token to the second pass."""
+    g = torch.Generator().manual_seed(1)
+    heads = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (11, 17)]
+    out = []
+    for i in range(10):
+        head = heads[i % 2]
+        rest = torch.randint(3, vocab, (3 + (4 * i) % 9,), generator=g).tolist()
+        response = torch.randint(3, vocab, (1 + (3 * i) % 5,), generator=g).tolist()
+        tips = torch.randint(3, vocab, (5,), generator=g).tolist() if i == 3 else []
+        out.append(StepSample(behaviour_ids=head + tips + rest, train_ids=head + rest, response_ids=response,
+                              memory=bool(tips), offpolicy=bool(tips), group_id=i % 2, traj_id=i, step=0,
+                              advantage=float(i % 3) - 1.0, prefix_len=len(head)))
+    out.append(copy.deepcopy(out[4]))  # a twin: same prefix, same length
+    out[-1].traj_id = 10
+    out.append(StepSample(behaviour_ids=heads[0], train_ids=heads[0], response_ids=[5, 6], memory=False,
+                          offpolicy=False, group_id=0, traj_id=11, step=0, prefix_len=len(heads[0])))
+    out.append(StepSample(behaviour_ids=heads[1][:6], train_ids=heads[1][:6], response_ids=[7], memory=False,
+                          offpolicy=False, group_id=1, traj_id=12, step=0))
+    return out
+
+
+def test_a_shared_system_and_task_prefix_runs_once_and_changes_nothing(policy):
+    """Rows that share their system-and-task prefix run it in one pass: fewer positions; log-probs and
+    entropies those of one padded pass and the gradient that of the rows scored whole, to float32 rounding;
+    each row's log-probs, to the bit, the same whatever it is batched with; with gradient checkpointing (which
+    drops the cache) the rows run whole."""
+    model, tok = policy
+    cfg = load_config(["model=tiny"])
+    samples = _shared_prefix_samples(model.config.vocab_size)
+    whole = [dataclasses.replace(s, prefix_len=0) for s in samples]
+    positions: list[int] = []
+    def count(_, args, kwargs):
+        positions.append((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).numel())
+
+    handle = model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+    grads, logps = [], []
+    try:
+        for rows in (samples, whole):
+            module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(rows))
+            model.zero_grad()
+            positions.clear()
+            batch = collate(rows, module.pad_id)
+            logp, entropy = module.response_logprobs(batch, with_entropy=True)  # (B, T) each
+            (logp * batch["response_mask"]).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            logps.append((logp, entropy, sum(positions)))
+    finally:
+        handle.remove()
+        model.zero_grad()
+    mask = batch["response_mask"]
+    (shared, shared_ent, shared_pos), (plain, plain_ent, plain_pos) = logps
+    # the row of task 0 without a cut (prefix_len 0) and the too-short one run whole; the rest share 2 prefixes
+    cut = [s for s in samples if 0 < s.prefix_len < len(s.train_ids)]
+    assert plain_pos == sum(len(s.train_ids) + len(s.response_ids) for s in samples)
+    assert shared_pos == plain_pos - sum(s.prefix_len for s in cut) + 11 + 17
+    torch.testing.assert_close(shared[mask], plain[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared_ent[mask], plain_ent[mask], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for b, sample in enumerate(samples):
+        alone = module.response_logprobs(collate([sample], module.pad_id))[0]  # (T_b,)
+        assert torch.equal(alone, shared[b, :len(sample.response_ids)])
+    checkpointed = copy.deepcopy(model).train()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module = EMPO2Module(checkpointed, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+    assert torch.equal(module.response_logprobs(collate(samples, module.pad_id)),
+                       module.response_logprobs(collate(whole, module.pad_id)))
 
 
 def test_old_logprobs_are_the_sampling_distribution_at_the_rollout_temperature(policy):

@@ -56,6 +56,23 @@ def test_tip_free_prompt_is_the_tip_prompt_with_the_span_cut_out(tok, n_turns, b
         assert tok.decode(with_tips.ids[end:]) == "<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("budget", [10_000, 160])
+def test_the_prefix_is_the_system_and_task_text_shared_with_and_without_tips(tok, budget):
+    builder = PromptBuilder(tok, max_prompt_tokens=budget)
+    with_tips = builder.build(TASK, history(4), "You see a frog.", tips=TIPS)
+    without = builder.build(TASK, history(1, start=7), "You see a cat.")
+    head = chat(tok, [], "x").split("<|im_end|>\n<|im_start|>user\nx")[0]  # system message + task text
+    for prompt in (with_tips, without):
+        assert tok.decode(prompt.ids[:prompt.prefix_len]) == head
+    assert with_tips.ids[:with_tips.prefix_len] == without.ids[:without.prefix_len]
+    assert with_tips.prefix_len <= with_tips.tip_spans[0][0]  # tips come after it: the tip-free prompt shares it
+    # the merged layout of a template without a system role keeps the task text's end
+    strict = build_tiny_tokenizer()
+    strict.chat_template = STRICT_TEMPLATE
+    merged = PromptBuilder(strict, system_prompt="Act.").build(TASK, history(2), "obs", tips=TIPS)
+    assert strict.decode(merged.ids[:merged.prefix_len]) == f"<|im_start|>user\nAct.\n\n{TASK}"
+
+
 def test_empty_tip_list_gives_the_tip_free_prompt(tok):
     builder = PromptBuilder(tok)
     assert builder.build(TASK, history(2), "obs", tips=[]) == builder.build(TASK, history(2), "obs")

@@ -7,12 +7,14 @@ The engine holds no copy of the weights, so the responses always come from the c
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer, StaticCache
 
+from empo2.prefix_cache import PrefixCaches
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
 
@@ -153,8 +155,9 @@ class HFEngine:
         Each distinct prompt is computed once (a group's rollouts all start from the same one). On a CPU the
         distinct prompts run unpadded too, those of one length together: a padded chunk pays for its padding
         twice, in positions and in the masked attention kernel, which cannot skip the causal half, and a chunk
-        of tip requests (whole episodes of 350 to 1,250 tokens) prefilled 4.6x slower padded than so. On a GPU
-        one padded pass is cheaper than a pass per length."""
+        of tip requests (whole episodes of 350 to 1,250 tokens) prefilled 4.6x slower padded than so. Prompts
+        that start alike (one task's system and task text, a group's common first turns) run that stem once
+        (`_stems`). On a GPU one padded pass is cheaper than a pass per length."""
         if input_ids.shape[1] < 2:
             return None
         first: dict[tuple[int, ...], int] = {}
@@ -172,14 +175,20 @@ class HFEngine:
             cache = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
             cache.batch_select_indices(index)  # (distinct, ...) -> (B, ...)
             return cache
-        by_length: dict[int, list[int]] = {}
-        for u, prompt in enumerate(first):
-            if len(prompt) > 1:  # a one-token prompt has nothing to cache: its row is all padding
-                by_length.setdefault(len(prompt), []).append(u)
+        cached = [prompt[:-1] for prompt in first]  # what each distinct prompt's cache holds
+        stems = _stems(cached)
+        shared = PrefixCaches(decoder, [c[:n] for c, n in zip(cached, stems)], device)
+        if not shared.ok:
+            return None
+        groups: dict[tuple[int, int], list[int]] = {}  # (stem, cached length) -> distinct prompts
+        for u, (c, n) in enumerate(zip(cached, stems)):
+            if c:  # a one-token prompt has nothing to cache: its row is all padding
+                groups.setdefault((n, len(c)), []).append(u)
         width, keys, values = input_ids.shape[1] - 1, [], []  # per layer (distinct, heads, width, head dim)
-        for length, members in sorted(by_length.items()):
-            ids = torch.tensor([list(prompts[rows.index(u)][:-1]) for u in members], device=device)  # (m, length-1)
-            part = decoder(input_ids=ids, use_cache=True).past_key_values  # unpadded: no mask, positions from 0
+        for (n, length), members in sorted(groups.items()):
+            ids = torch.tensor([cached[u][n:] for u in members], device=device)  # (m, length - n): no mask
+            past = shared.rows([cached[u][:n] for u in members]) if n else None
+            part = decoder(input_ids=ids, past_key_values=past, use_cache=True).past_key_values  # (m, ., length, .)
             if not keys:
                 if any(type(layer) is not DynamicLayer for layer in part.layers):
                     return None  # (sliding-window or other layers keep more than keys and values: pad instead)
@@ -189,8 +198,8 @@ class HFEngine:
                                                   layer.values.shape[-1])) for layer in part.layers]
             at = torch.tensor(members, device=device)
             for layer, k, v in zip(part.layers, keys, values):  # right-aligned, as left padding puts the prompt
-                k[at, ..., width - (length - 1):, :] = layer.keys
-                v[at, ..., width - (length - 1):, :] = layer.values
+                k[at, ..., width - length:, :] = layer.keys
+                v[at, ..., width - length:, :] = layer.values
         if not keys:
             return None
         # A static cache: a dynamic one appends by copying itself whole at every new token, which for a chunk of
@@ -227,3 +236,47 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """Nothing to restore."""
+
+
+# What a decoder pass costs beyond its positions, in positions: a pass of a few-hundred-token prompt on the
+# headline's small policy costs about as much as 30 more positions of a longer one.
+_PASS_COST = 32
+
+
+def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _stems(seqs: list[tuple[int, ...]]) -> list[int]:
+    """Per sequence, how many of its first tokens it takes from a stem shared with others (0: none), so that the
+    positions run, plus `_PASS_COST` per stem, are fewest. The sequences, sorted, are cut into runs (dynamic
+    programming over the cut points); a run's stem is its members' longest common prefix, short of each
+    member's last token (a member keeps at least one position of its own)."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    n = len(order)
+    adjacent = [_lcp(seqs[order[i]], seqs[order[i + 1]]) for i in range(n - 1)]
+    best = [0.0] + [math.inf] * n  # best[j]: the cheapest way to run the first j sorted sequences
+    choice = [(0, 0)] * (n + 1)  # (start of the last run, its stem)
+    for j in range(1, n + 1):
+        common, shortest, total = math.inf, math.inf, 0
+        for i in range(j - 1, -1, -1):  # the run order[i:j]
+            length = len(seqs[order[i]])
+            total, shortest = total + length, min(shortest, length)
+            if i < j - 1:
+                common = min(common, adjacent[i])
+            stem = 0 if i == j - 1 else max(0, min(common, shortest - 1))
+            cost = total if stem == 0 else _PASS_COST + stem + total - (j - i) * stem
+            if best[i] + cost < best[j]:
+                best[j], choice[j] = best[i] + cost, (i, stem)
+    stems, j = [0] * len(seqs), n
+    while j:
+        i, stem = choice[j]
+        for k in order[i:j]:
+            stems[k] = stem
+        j = i
+    return stems
