@@ -265,6 +265,9 @@ def load_policy(cfg: ModelConfig):
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
         tok.chat_template = CHATML_TEMPLATE
+    from empo2.attention import use_grouped_sdpa
+
+    use_grouped_sdpa(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.lora_r > 0:
