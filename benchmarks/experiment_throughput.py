@@ -18,9 +18,9 @@ and the validation before training are not counted; the periodic validation and 
 Phases are the wall time inside the real methods, summed over the window, as shares of it: rollout
 (`RolloutCollector.collect`, its `generate` part separately), old log-probs (`EMPO2Module.old_logprobs`),
 update (`EMPO2Module.training_step`), validation (`RolloutCallback.validate`), checkpoint writes
-(`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Padding is the
-share of the positions the update's forward passes ran that are padding (beyond the samples' own prompt +
-response tokens), peak RSS the process's maximum
+(`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Update positions
+are those the update's decoder passes ran, relative to the samples' own prompt + response tokens: above zero
+is padding, below zero prefixes shared by several samples and run once. Peak RSS is the process's maximum
 resident memory (`ru_maxrss`, whole process, model load included).
 
     python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_gc]
@@ -73,7 +73,7 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
                            *DEMO_EXTRA[config]])
 
     phases = dict.fromkeys(("rollout", "generate", "old_logprobs", "update", "validation", "checkpoint"), 0.0)
-    pad = {"real": 0, "padded": 0}
+    positions = {"tokens": 0, "run": 0}
     marks: dict[str, float] = {}
 
     def timed(owner, name: str, phase: str):
@@ -114,10 +114,10 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
 
     def micro_batch_loss(self, micro):  # positions the update's forward passes ran vs the samples' own
         samples = [self.buffer.samples[i] for i in micro.indices]
-        pad["real"] += sum(len(s.train_ids) + len(s.response_ids) for s in samples)
+        positions["tokens"] += sum(len(s.train_ids) + len(s.response_ids) for s in samples)
 
         def count(_, args, kwargs):
-            pad["padded"] += (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).numel()
+            positions["run"] += (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).numel()
 
         handle = self.policy.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
         try:
@@ -136,8 +136,8 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     return {"config": config, "iterations": iterations, "window_s": window,
             "iterations_per_hour": 3600 * iterations / window, "s_per_iteration": window / iterations,
-            "phases_s": phases, "padding_share": 1 - pad["real"] / max(pad["padded"], 1),
-            "update_positions": pad["padded"], "peak_rss_gb": rss_gb,
+            "phases_s": phases, "positions_vs_tokens": positions["run"] / max(positions["tokens"], 1) - 1,
+            "update_positions": positions["run"], "peak_rss_gb": rss_gb,
             "env_steps": summary["metrics"].get("train/env_steps")}
 
 
@@ -169,7 +169,7 @@ def _row(label: str, r: dict) -> str:
     return (f"| {label} | {r['iterations_per_hour']:.0f} | {r['s_per_iteration']:.1f} | {share['rollout']:.0f}% "
             f"({share['generate']:.0f}%) | {share['old_logprobs']:.0f}% | {share['update']:.0f}% | "
             f"{share['validation']:.0f}% | {share['checkpoint']:.1f}% | {rest:.0f}% | "
-            f"{100 * r['padding_share']:.0f}% | {r['peak_rss_gb']:.2f} |")
+            f"{100 * r['positions_vs_tokens']:+.0f}% | {r['peak_rss_gb']:.2f} |")
 
 
 def main() -> None:
@@ -207,7 +207,7 @@ def main() -> None:
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; fastest of {args.repeats} runs "
           f"(demo: {args.demo_repeats})\n")
     print("| config, commit | iterations/h | s/iteration | rollout (generate) | old log-probs | update | validation "
-          "| checkpoint | rest | update padding | peak RSS GB |")
+          "| checkpoint | rest | update positions vs tokens | peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for config, by in best.items():
         for sha in (base_sha, head_sha):
