@@ -15,6 +15,19 @@ def _touch(path, mtime):
     os.utime(path, (mtime, mtime))
 
 
+def test_checkpoints_are_written_without_record_checksums_and_read_back_whole(tmp_path):
+    import zipfile
+
+    from empo2.lit.checkpoint_io import AtomicCheckpointIO
+
+    state = {"weights": torch.randn(64, 64), "step": 3}
+    AtomicCheckpointIO().save_checkpoint(state, tmp_path / "a.ckpt")
+    assert all(info.CRC == 0 for info in zipfile.ZipFile(tmp_path / "a.ckpt").infolist())  # none computed
+    loaded = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    assert torch.equal(loaded["weights"], state["weights"]) and loaded["step"] == 3
+    assert torch.serialization.get_crc32_options()  # the process-wide setting is left as it was
+
+
 def test_point_link_replaces_a_link_or_an_old_full_copy_with_a_relative_link(tmp_path):
     (tmp_path / "iter-epoch=0000.ckpt").write_bytes(b"a")
     (tmp_path / "iter-epoch=0001.ckpt").write_bytes(b"b")

@@ -205,8 +205,9 @@ class HFEngine:
         # A static cache: a dynamic one appends by copying itself whole at every new token, which for a chunk of
         # long prompts costs more than the token's forward pass
         static = StaticCache(config=self.model.config, max_cache_len=width + 1 + params.max_new_tokens)
-        for i, (k, v) in enumerate(zip(keys, values)):
-            static.update(k[index], v[index], i)  # (distinct, ...) -> (B, ...), written at positions 0..width-1
+        for i in range(len(keys)):
+            static.update(keys[i][index], values[i][index], i)  # (distinct, ...) -> (B, ...), at 0..width-1
+            keys[i] = values[i] = None  # layer by layer: never the chunk's whole cache twice in memory
         return static
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
