@@ -7,7 +7,8 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
 `trainer.iterations=--iterations` (`--demo-iterations`):
 
 - `headline`: the first run of `experiments/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
-- `demo`: `empo2 train` with the defaults (`make demo`: SmolLM2-135M on MiniSci);
+- `demo`: `empo2 train` with the defaults: SmolLM2-135M on MiniSci, the real-LLM run (`make demo` runs the small
+  tips reader instead);
 - `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
   its saving in memory);
 - `demo_lowmem`: `demo_gc` with micro-batches capped at `trainer.micro_batch_tokens=1280` (about 4 demo prompts),
