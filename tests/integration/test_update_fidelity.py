@@ -144,10 +144,10 @@ def test_entropy_bonus_enters_the_loss(policy):
     assert losses[0.5][0] == pytest.approx(losses[0.0][0] - 0.5 * losses[0.5][1], rel=1e-5)
 
 
-def test_rows_scored_unpadded_match_one_padded_pass_and_do_not_depend_on_their_batch(policy):
-    """On a CPU each row is scored unpadded (rows of one length together): its log-probs and entropies are
-    those of one left-padded, masked forward over the whole batch to float32 rounding, and, to the bit, the
-    same whatever else is in the micro-batch."""
+def test_rows_scored_without_a_mask_match_one_padded_pass_and_do_not_depend_on_their_batch(policy):
+    """On a CPU rows are scored without a mask, right-padded in passes of similar lengths: their log-probs and
+    entropies are those of one left-padded, masked forward over the whole batch, and the same whatever else is in
+    the micro-batch, to float32 rounding."""
     model, tok = policy
     cfg = load_config(["model=tiny"])
     samples = _samples(model.config.vocab_size, n=9)
@@ -166,7 +166,7 @@ def test_rows_scored_unpadded_match_one_padded_pass_and_do_not_depend_on_their_b
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()  # padding too (masked out of every loss)
     for b, sample in enumerate(samples):
         alone = module.response_logprobs(collate([sample], module.pad_id))[0]  # (T_b,)
-        assert torch.equal(alone, logp[b, :len(sample.response_ids)])
+        torch.testing.assert_close(alone, logp[b, :len(sample.response_ids)], rtol=1e-6, atol=1e-6)
 
 
 def _shared_prefix_samples(vocab: int) -> list[StepSample]:
@@ -194,17 +194,22 @@ def _shared_prefix_samples(vocab: int) -> list[StepSample]:
 
 
 def test_a_shared_system_and_task_prefix_runs_once_and_changes_nothing(policy):
-    """Rows that share their system-and-task prefix run it in one pass: fewer positions; log-probs and
-    entropies those of one padded pass and the gradient that of the rows scored whole, to float32 rounding;
-    each row's log-probs, to the bit, the same whatever it is batched with; with gradient checkpointing (which
-    drops the cache) the rows run whole."""
+    """Rows that share their system-and-task prefix run it in one pass: one pass per distinct prefix, fewer
+    positions in all; log-probs and entropies those of one padded pass and the gradient that of the rows scored
+    whole, to float32 rounding, whatever a row is batched with; with gradient checkpointing (which drops the
+    cache) the rows run whole."""
     model, tok = policy
     cfg = load_config(["model=tiny"])
     samples = _shared_prefix_samples(model.config.vocab_size)
     whole = [dataclasses.replace(s, prefix_len=0) for s in samples]
     positions: list[int] = []
+    prefix_passes: list[tuple[int, ...]] = []
+
     def count(_, args, kwargs):
-        positions.append((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).numel())
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        positions.append(ids.numel())
+        if kwargs.get("use_cache") and kwargs.get("past_key_values") is None:  # a pass that keeps its cache
+            prefix_passes.append(tuple(ids.shape))
 
     handle = model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
     grads, logps = [], []
@@ -213,27 +218,27 @@ def test_a_shared_system_and_task_prefix_runs_once_and_changes_nothing(policy):
             module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(rows))
             model.zero_grad()
             positions.clear()
+            prefix_passes.clear()
             batch = collate(rows, module.pad_id)
             logp, entropy = module.response_logprobs(batch, with_entropy=True)  # (B, T) each
             (logp * batch["response_mask"]).sum().backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-            logps.append((logp, entropy, sum(positions)))
+            logps.append((logp, entropy, sum(positions), sorted(prefix_passes)))
     finally:
         handle.remove()
         model.zero_grad()
     mask = batch["response_mask"]
-    (shared, shared_ent, shared_pos), (plain, plain_ent, plain_pos) = logps
-    # the row of task 0 without a cut (prefix_len 0) and the too-short one run whole; the rest share 2 prefixes
-    cut = [s for s in samples if 0 < s.prefix_len < len(s.train_ids)]
-    assert plain_pos == sum(len(s.train_ids) + len(s.response_ids) for s in samples)
-    assert shared_pos == plain_pos - sum(s.prefix_len for s in cut) + 11 + 17
+    (shared, shared_ent, shared_pos, shared_prefixes), (plain, plain_ent, plain_pos, plain_prefixes) = logps
+    # the two prefixes run once each; the row without a prefix and the one too short to cut run whole
+    assert shared_prefixes == [(1, 11), (1, 17)] and plain_prefixes == []
+    assert shared_pos < plain_pos
     torch.testing.assert_close(shared[mask], plain[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared_ent[mask], plain_ent[mask], rtol=1e-5, atol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for b, sample in enumerate(samples):
         alone = module.response_logprobs(collate([sample], module.pad_id))[0]  # (T_b,)
-        assert torch.equal(alone, shared[b, :len(sample.response_ids)])
+        torch.testing.assert_close(alone, shared[b, :len(sample.response_ids)], rtol=1e-6, atol=1e-6)
     checkpointed = copy.deepcopy(model).train()
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = EMPO2Module(checkpointed, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
