@@ -22,7 +22,7 @@ update (`EMPO2Module.training_step`), validation (`RolloutCallback.validate`), c
 (`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Update positions
 are those the update's decoder passes ran, relative to the samples' own prompt + response tokens: above zero
 is padding, below zero prefixes shared by several samples and run once. Peak RSS is the process's maximum
-resident memory (`ru_maxrss`, whole process, model load included).
+resident memory in GiB (`ru_maxrss`, whole process, model load included).
 
     python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_gc]
         [--iterations 4] [--demo-iterations 1] [--repeats 2] [--demo-repeats 1]
@@ -208,7 +208,7 @@ def main() -> None:
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; fastest of {args.repeats} runs "
           f"(demo: {args.demo_repeats})\n")
     print("| config, commit | iterations/h | s/iteration | rollout (generate) | old log-probs | update | validation "
-          "| checkpoint | rest | update positions vs tokens | peak RSS GB |")
+          "| checkpoint | rest | update positions vs tokens | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for config, by in best.items():
         for sha in (base_sha, head_sha):
