@@ -8,6 +8,9 @@ cache as its past: the same numbers to float32 rounding, for fewer positions.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -43,3 +46,21 @@ class PrefixCaches:
         for i, (k, v) in enumerate(self._layers[len(prefixes[0])]):
             cache.update(k.index_select(0, at.to(k.device)), v.index_select(0, at.to(v.device)), i)
         return cache
+
+
+def cheapest_runs(n: int, cost: Callable[[int, int], float]) -> list[tuple[int, int]]:
+    """Items 0..n-1, in their order, cut into consecutive runs [i, j) whose summed `cost(i, j)` is least (dynamic
+    programming over the cut points, O(n^2) calls of `cost`). How the update groups rows into passes
+    (`length_buckets`) and the prefill groups prompts under stems (`_stems`)."""
+    best = [0.0] + [math.inf] * n  # best[j]: the cheapest cut of the first j items
+    start = [0] * (n + 1)  # where the last run of that cut starts
+    for j in range(1, n + 1):
+        for i in range(j):
+            total = best[i] + cost(i, j)
+            if total < best[j]:
+                best[j], start[j] = total, i
+    runs, j = [], n
+    while j:
+        runs.append((start[j], j))
+        j = start[j]
+    return runs[::-1]

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer, StaticCache
 
-from empo2.prefix_cache import PrefixCaches
+from empo2.prefix_cache import PrefixCaches, cheapest_runs
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
 
@@ -255,29 +255,31 @@ def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 def _stems(seqs: list[tuple[int, ...]]) -> list[int]:
     """Per sequence, how many of its first tokens it takes from a stem shared with others (0: none), so that the
-    positions run, plus `_PASS_COST` per stem, are fewest. The sequences, sorted, are cut into runs (dynamic
-    programming over the cut points); a run's stem is its members' longest common prefix, short of each
-    member's last token (a member keeps at least one position of its own)."""
+    positions run, plus `_PASS_COST` per stem, are fewest. The sequences, sorted, are cut into runs
+    (`cheapest_runs`); a run's stem is its members' longest common prefix, short of each member's last token (a
+    member keeps at least one position of its own)."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    lengths = [len(seqs[k]) for k in order]
     n = len(order)
     adjacent = [_lcp(seqs[order[i]], seqs[order[i + 1]]) for i in range(n - 1)]
-    best = [0.0] + [math.inf] * n  # best[j]: the cheapest way to run the first j sorted sequences
-    choice = [(0, 0)] * (n + 1)  # (start of the last run, its stem)
-    for j in range(1, n + 1):
-        common, shortest, total = math.inf, math.inf, 0
-        for i in range(j - 1, -1, -1):  # the run order[i:j]
-            length = len(seqs[order[i]])
-            total, shortest = total + length, min(shortest, length)
-            if i < j - 1:
-                common = min(common, adjacent[i])
-            stem = 0 if i == j - 1 else max(0, min(common, shortest - 1))
-            cost = total if stem == 0 else _PASS_COST + stem + total - (j - i) * stem
-            if best[i] + cost < best[j]:
-                best[j], choice[j] = best[i] + cost, (i, stem)
-    stems, j = [0] * len(seqs), n
-    while j:
-        i, stem = choice[j]
+    stem: dict[tuple[int, int], int] = {}  # (i, j) -> the stem of the run order[i:j]
+    for i in range(n):
+        stem[i, i + 1] = 0  # a run of one shares nothing
+        common, shortest = math.inf, lengths[i]
+        for j in range(i + 2, n + 1):
+            common = min(common, adjacent[j - 2])
+            shortest = min(shortest, lengths[j - 1])
+            stem[i, j] = max(0, min(common, shortest - 1))
+    total = [0]
+    for length in lengths:
+        total.append(total[-1] + length)
+
+    def cost(i: int, j: int) -> float:
+        positions = total[j] - total[i]
+        return positions if stem[i, j] == 0 else _PASS_COST + stem[i, j] + positions - (j - i) * stem[i, j]
+
+    stems = [0] * len(seqs)
+    for i, j in cheapest_runs(n, cost):
         for k in order[i:j]:
-            stems[k] = stem
-        j = i
+            stems[k] = stem[i, j]
     return stems
