@@ -11,7 +11,10 @@ the tip writer, `--iterations` rounds, each playing with the model the last one 
 self-played example so far. With `--learn actions` it learns to read instead: each round plays every dev
 instance once with the gold path's tip in memory and labels every state its episodes reach while only moving with
 the expert's action there (`empo2.prior_tips.reader_examples`: DAgger for the reader); `--learn both` does both
-in each round. Writes a project checkpoint that the calibration loads with
+in each round. With `--foreign` each round also plays every dev instance under another instance's tips of its
+family and labels each state it reaches with the action it samples itself from the tip-free prompt there
+(`reader_examples(foreign=True)`: tips that do not apply should change nothing); `--replay-kinds` chooses which
+kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the calibration loads with
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory \\
         --override model.name=hf model.path=OUT model.dtype=float32 ...
@@ -32,7 +35,7 @@ import torch
 from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.models import save_cached_checkpoint
 from empo2.prior import behaviour_clone
-from empo2.prior_tips import TipPriorSettings, cached_prior, reader_examples, self_play_examples
+from empo2.prior_tips import KINDS, TipPriorSettings, cached_prior, reader_examples, self_play_examples
 
 
 def main() -> None:
@@ -40,6 +43,11 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--learn", choices=("tips", "actions", "both"), default="tips",
                     help="what its own episodes teach: the tips it writes, its actions under a locating tip, or both")
+    ap.add_argument("--foreign", action="store_true",
+                    help="also learn to act as without tips under another instance's tips (see reader_examples)")
+    ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                    help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
+                         "opposite of what --foreign teaches after another house's tip proved wrong)")
     ap.add_argument("--episodes", type=int, default=3, help="episodes per dev instance, one after another")
     ap.add_argument("--replay", type=float, default=1.0, help="stage-1 sequences mixed in per self-played one")
     ap.add_argument("--epochs", type=float, default=3.0, help="over the examples of each fine-tuning round")
@@ -55,7 +63,7 @@ def main() -> None:
         path, model, tok, sequences = cached_prior(settings, args.start)
     except FileNotFoundError as e:  # not built yet: say so in one line
         raise SystemExit(str(e)) from None
-    scripted = [(ids, kinds) for _, ids, kinds in sequences]
+    scripted = [(ids, kinds) for kind, ids, kinds in sequences if kind in args.replay_kinds]
     rng = random.Random(args.seed)
     tuning = dataclasses.replace(settings, epochs=args.epochs, lr=args.lr, seed=args.seed)
     own, rounds = [], []
@@ -69,13 +77,16 @@ def main() -> None:
             if args.learn in ("actions", "both"):
                 examples, played["actions"] = reader_examples(model, tok, seed=args.seed + 1000 * it)
                 own += examples
+            if args.foreign:
+                examples, played["foreign"] = reader_examples(model, tok, seed=args.seed + 1000 * it, foreign=True)
+                own += examples
             mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,
                                                   name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,
                                                   lm_weight=settings.lm_weight)
         rounds.append(played)
         print(json.dumps(played))
-    save_cached_checkpoint(model, tok, {"probe_of": args.start or str(path), "args": vars(args), "self_play": rounds,
+    save_cached_checkpoint(model, tok, {"probe_of": str(path), "args": vars(args), "self_play": rounds,
                                         "prompt_layout": MINISCI_TIPS_LAYOUT}, Path(args.out))
     print(f"wrote {args.out}")
 

@@ -337,16 +337,17 @@ def ensure_minisci_tips(settings: TipPriorSettings | None = None, log=print):
 
 
 def cached_prior(settings: TipPriorSettings, start=None):
-    """(path, model, tokenizer, training sequences) of the built prior, or of the checkpoint `start` with the
-    prior's sequences, for a probe that continues training it (a probe never builds it: a run does)."""
+    """(path, model, tokenizer, training sequences) of the built prior, or of the checkpoint `start` (a fine-tune
+    of it, with its tokenizer), with the prior's sequences, for a probe that continues training it (a probe never
+    builds it: a run does)."""
     from empo2.models import _load_local
     from empo2.prior import ready_path
 
-    path = ready_path("minisci-tips", settings)
+    path = Path(start) if start else ready_path("minisci-tips", settings)
     if path is None:
         raise FileNotFoundError("no minisci-tips with the current settings: build it first (any run with "
                                 "model=minisci_tips)")
-    model, tok = _load_local(Path(start) if start else path, torch.float32)
+    model, tok = _load_local(path, torch.float32)
     return path, model, tok, training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
 
 
@@ -477,49 +478,89 @@ def expert_labels(env, family: str, variation: int, actions: list[str]) -> list[
     return labels
 
 
+def foreign_tips(chunk, played: list, rng: random.Random) -> list[list]:
+    """Per instance of `chunk` ((family, variation, house) each), 1-3 of the entries `played` holds for another
+    instance of the same family and another variation (its scripted episodes' tips); none for an instance whose
+    family has no other variation in the chunk."""
+    out = []
+    for family, variation, _ in chunk:
+        donors = [j for j, (f, v, _) in enumerate(chunk) if f == family and v != variation]
+        out.append(rng.sample(played[rng.choice(donors)], rng.randint(1, 3)) if donors else [])
+    return out
+
+
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
-                    log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """(ids, kinds) per state the model reaches acting on a locating tip (DAgger for the reader): each dev instance
-    (`_own_play`) is played once with a memory holding the gold path's hindsight tip, with 0-2 tips of scripted
-    episodes of the same instance (prior-driven, careful search) as a LOCATED sequence has them, keyed as the
-    collector keys its own; every state it reached while only moving gives one example: the collector's own
-    prompt at that step (IGNORED), then the expert's action there (`expert_labels`) and end of turn (TARGET).
-    The tips in every such prompt say where what the task needs is, so the label asks only for what they tell.
-    Returns the examples and play statistics (`agreed`: states where its action was the expert's)."""
+                    foreign: bool = False, log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader): each dev instance
+    (`_own_play`) is played once through the collector with a memory holding scripted episodes' hindsight tips,
+    keyed as the collector keys its own; every example is the collector's own prompt at a state its episode
+    reached (IGNORED), then a label and end of turn (TARGET). Returns the examples and play statistics
+    (`agreed`: states where its action was the label).
+
+    - `foreign=False`: the tips are the gold path's, with 0-2 of other scripted episodes of the same instance
+      (prior-driven, careful search) as a LOCATED sequence has them. The states are those reached while only
+      moving, labelled with the expert's action there (`expert_labels`): the tips say where what the task
+      needs is, so the label asks only for what they tell.
+    - `foreign=True`: the tips are 1-3 of the scripted episodes of another dev instance of the same family
+      (another variation, another house): nothing in them is about this house, though they read like tips that
+      are. Every state reached is labelled with the action the model itself samples from the tip-free prompt
+      of that state (the same history with every tip block cut out): the tip-free policy distilled into
+      prompts whose tips do not apply, so that it learns to use what a tip says, not that a tip is there."""
     from empo2.memory import TipMemory
+    from empo2.rollout.engines.base import SamplingParams
 
     rng = random.Random(seed)
+    donor_rng = random.Random(seed + 1)
     generator = torch.Generator().manual_seed(seed)
     examples, stats = [], {"episodes": 0, "score": 0.0, "states": 0, "agreed": 0}
     eos = tok.eos_token_id
     for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns,
                                                                          variations_per_family, seed):
-        texts, keys, metas = [], [], []
+        played, own_tips = [], []  # per instance: (tip, key text, score) of its scripted episodes; the gold set
         for (family, variation, house), env in zip(chunk, replay_envs):
             env.reset(task=family, variation=variation)
             gold = play(env, family, variation, house, env.gold_actions(), max_turns)
             others = [play(env, family, variation, house, scripted(rng, trap=trap), max_turns)
                       for trap in (True, False)]
-            for ep in [gold, *rng.sample(others, rng.randint(0, 2))]:
-                texts.append(hindsight_tip(ep))
-                keys.append(collector._key_text(env, ep.turns, ep.final_obs))
-                metas.append({"task": family, "variation": variation, "episode_return": ep.score / 100})
+            tips = [(hindsight_tip(ep), collector._key_text(env, ep.turns, ep.final_obs), ep.score)
+                    for ep in (gold, *others)]
+            played.append(tips)
+            own_tips.append([tips[0], *rng.sample(tips[1:], rng.randint(0, 2))])
+        texts, keys, metas = [], [], []
+        for (family, variation, _), tips in zip(chunk, foreign_tips(chunk, played, donor_rng) if foreign else own_tips):
+            for text, key, score in tips:
+                texts.append(text)
+                keys.append(key)
+                metas.append({"task": family, "variation": variation, "episode_return": score / 100})
         like = collector.memory
         collector.memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
         collector.memory.add(texts, collector.embedder.encode(keys), metas)
         collector.settings.write_tips = False
+        collector.settings.q = 1.0  # every step with tips also records its tip-free prompt (`train_ids`)
         batch = collector.collect(specs, 1, iteration=0, generator=generator)
+        states = []  # (prompt with tips, the action taken there, label)
         for (family, variation, _), env, traj in zip(chunk, replay_envs, batch.trajectories):
             stats["episodes"] += 1
             stats["score"] += traj.score
             actions = _actions(traj, tok)
-            for sample, action, label in zip(traj.samples, actions, expert_labels(env, family, variation, actions)):
-                stats["states"] += 1
-                stats["agreed"] += action == label
-                target = tok.encode(label, add_special_tokens=False) + [eos]
-                examples.append((sample.behaviour_ids + target,
-                                 [IGNORED] * len(sample.behaviour_ids) + [TARGET] * len(target)))
-        log(f"reader: {done}/{total} instances, score {stats['score'] / stats['episodes']:.1f}, "
-            f"expert's action at {stats['agreed']}/{stats['states']} states")
+            if not foreign:
+                states += [(smp.behaviour_ids, a, label) for smp, a, label in
+                           zip(traj.samples, actions, expert_labels(env, family, variation, actions))]
+            else:
+                states += [(smp.behaviour_ids, a, smp.train_ids) for smp, a in zip(traj.samples, actions)
+                           if smp.memory]
+        if foreign and states:  # the labels: one sample each from the tip-free prompts
+            s = collector.settings
+            params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+            gens = collector.engine.generate([tip_free for _, _, tip_free in states], params,
+                                             seed=collector._seed(generator))
+            states = [(prompt, action, gen.text.strip()) for (prompt, action, _), gen in zip(states, gens)]
+        for prompt, action, label in states:
+            stats["states"] += 1
+            stats["agreed"] += action == label
+            target = tok.encode(label, add_special_tokens=False) + [eos]
+            examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
+        log(f"reader{' (foreign tips)' if foreign else ''}: {done}/{total} instances, score "
+            f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states")
     stats["score"] /= max(stats["episodes"], 1)
     return examples, stats

@@ -28,6 +28,7 @@ from empo2.prior_tips import (
     ensure_minisci_tips,
     episode_sequence,
     expert_labels,
+    foreign_tips,
     hindsight_tip,
     locates,
     prompt_builder,
@@ -362,6 +363,70 @@ def test_reader_examples_label_the_collectors_own_prompts_under_a_locating_tip(s
         env.reset(task=family, variation=variation)
         golds.append(env.gold_actions()[0])
     assert firsts == golds
+
+
+def test_foreign_tips_are_another_variation_of_the_same_family():
+    """Each instance borrows 1-3 of the tips of one other instance of its family, never of its own variation
+    (another house draw of it would describe its own house); a family alone in the chunk borrows nothing."""
+    import random
+
+    chunk = [("a", 1, {}), ("a", 2, {}), ("b", 3, {}), ("a", 4, {}), ("c", 5, {}), ("c", 5, {"num_rooms": 5})]
+    played = [[f"tip {j}.{k}" for k in range(3)] for j in range(len(chunk))]
+    rng = random.Random(0)
+    donors_seen = set()
+    for _ in range(50):
+        for i, (got, (family, variation, _)) in enumerate(zip(foreign_tips(chunk, played, rng), chunk)):
+            if family != "a":
+                assert got == []
+                continue
+            assert 1 <= len(got) <= 3 and len(set(got)) == len(got)
+            (donor,) = {int(tip.split()[1].split(".")[0]) for tip in got}
+            assert chunk[donor][0] == family and chunk[donor][1] != variation
+            donors_seen.add((i, donor))
+    assert donors_seen == {(i, j) for i in (0, 1, 3) for j in (0, 1, 3) if i != j}  # every other one, in time
+
+
+def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_the_tip_free_prompt(
+        small_policy, monkeypatch):
+    """One example per state reached with tips in the prompt: that prompt (IGNORED), then the action the policy
+    generated from the same prompt with every tip block cut out, and end of turn (TARGET)."""
+    import re
+
+    import empo2.prior_tips as prior_tips
+
+    calls = []
+
+    class Recording:  # the collector's real engine, keeping what each generate call was given and returned
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, prompts, params, seed=None):
+            gens = self.engine.generate(prompts, params, seed=seed)
+            calls.append(([list(p) for p in prompts], gens))
+            return gens
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+    own_play = prior_tips._own_play
+
+    def recorded(*args):
+        for done, chunk, collector, envs, specs in own_play(*args):
+            collector.engine = Recording(collector.engine)
+            yield done, chunk, collector, envs, specs
+
+    monkeypatch.setattr(prior_tips, "_own_play", recorded)
+    model, tok = small_policy
+    examples, stats = reader_examples(model, tok, variations_per_family=2, foreign=True, log=lambda _: None)
+    tip_free, gens = calls[-1]  # after the episodes: one call over the tip-free prompts of every state
+    assert len(examples) == stats["states"] == len(tip_free) >= stats["episodes"] > 0
+    block = re.compile(r"\n\n" + re.escape(TIP_HEADER) + r"\n(?:<tip>[^\n]*</tip>\n)+")
+    for (ids, kinds), prompt, gen in zip(examples, tip_free, gens):
+        n = kinds.index(TARGET)
+        assert set(kinds[:n]) == {IGNORED} and kinds[n:] == [TARGET] * (len(ids) - n)
+        text = tok.decode(ids[:n])
+        assert TIP_HEADER in text and block.sub("", text) == tok.decode(prompt)
+        assert ids[n:] == tok.encode(gen.text.strip(), add_special_tokens=False) + [tok.eos_token_id]
 
 
 def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_ones(tmp_path, monkeypatch):
