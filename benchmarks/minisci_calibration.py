@@ -164,30 +164,49 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
 
 def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like) -> dict:
     """Whether it acts well on tips it did not write: the score with one scripted episode's hindsight tip per
-    instance in memory, keyed as the collector keys its own (the episode's final state): the gold path's (true,
-    locating everything the task needs) and a prior-driven trapped episode's (what it saw on the way, which
-    look-alike failed). Separates reading tips from writing them."""
+    instance in memory. `gold`: the gold path's (true, locating everything the task needs); `trapped`: a
+    prior-driven trapped episode's (what it saw on the way, which look-alike failed); each keyed as the collector
+    keys its own (the episode's final state). Separates reading tips from writing them. And two tips that are not
+    about this instance, keyed as its own gold path's tip (so retrieval finds them as it would its own):
+    `other_house`, the gold path's tip of the next instance of the family (another house: a tip that reads like a
+    true one and is wrong here), and `other_task`, the gold path's tip of an instance of another family (about
+    another task: nothing in it applies)."""
     import random
 
+    from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
     from empo2.memory import TipMemory
     from empo2.prior_tips import hindsight_tip, play, scripted
 
+    def episode(spec, name):
+        env.reset(task=spec.task, variation=spec.variation)
+        actions = env.gold_actions() if name != "trapped" else scripted(random.Random(seed), trap=True)
+        ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
+        return hindsight_tip(ep), collector._key_text(env, ep.turns, ep.final_obs), ep.score
+
+    families = [f for f in FAMILIES if f not in OOD_FAMILIES]
+    other = families[(families.index(tasks[0].task) + 1) % len(families)] if tasks[0].task in families else None
+    donors = {"gold": tasks, "trapped": tasks, "other_house": tasks[1:] + tasks[:1],
+              "other_task": get_catalogue("minisci").sample(len(tasks), "train", seed=seed, tasks=[other])
+              if other else None}
     out = {}
-    for name in ("gold", "trapped"):
+    for name, donor_specs in donors.items():
+        if donor_specs is None:
+            continue
         memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
         texts, keys, metas = [], [], []
-        for spec in tasks:
-            env.reset(task=spec.task, variation=spec.variation)
-            actions = env.gold_actions() if name == "gold" else scripted(random.Random(seed), trap=True)
-            ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
-            texts.append(hindsight_tip(ep))
-            keys.append(collector._key_text(env, ep.turns, ep.final_obs))
-            metas.append({"task": spec.task, "variation": spec.variation, "episode_return": ep.score / 100})
+        for spec, donor in zip(tasks, donor_specs):
+            text, key, score = episode(donor, name)
+            if name not in ("gold", "trapped"):
+                key = episode(spec, "gold")[1]
+            texts.append(text)
+            keys.append(key)
+            metas.append({"task": spec.task, "variation": spec.variation, "episode_return": score / 100})
         memory.add(texts, collector.embedder.encode(keys), metas)
         collector.memory = memory
         batch = collector.collect(tasks, 1, iteration=0, generator=torch.Generator().manual_seed(seed))
         out[f"{name}_tip_scores"] = [tr.score for tr in batch.trajectories]
         out[f"{name}_tip_score"] = batch.stats["rollout/score"]
+        out[f"{name}_tip_memory_frac"] = batch.stats["rollout/memory_frac"]
     return out
 
 
@@ -206,10 +225,15 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
         out["ratio_after_2"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() / max(d[:, 0].mean(), 1e-9),
                                             seed=seed)
         out["doubles"] = bool(scores[:, 2].mean() >= 2 * tip_free.mean() and scores[:, 2].mean() > 0)
-    irr = np.stack([tip_free, np.array(res["irrelevant_scores"], dtype=float)], axis=1)
-    out["irrelevant_change"] = bootstrap_ci(irr, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
     bound = 0.1 * max(tip_free.mean(), 1e-9)
-    out["irrelevant_within_10pct"] = bool(abs(irr[:, 1].mean() - tip_free.mean()) <= bound)
+    # the policy's own tips of the next instance; scripted tips of another house and of another task (no other
+    # family: none)
+    for name, key in (("irrelevant", "irrelevant_scores"), ("other_house", "other_house_tip_scores"),
+                      ("other_task", "other_task_tip_scores")):
+        if key in res:
+            pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)  # (instances, 2)
+            out[f"{name}_change"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
+            out[f"{name}_within_10pct"] = bool(abs(pair[:, 1].mean() - tip_free.mean()) <= bound)
     if family == "find-living-thing":
         out["trap_holds"] = bool(res["success_by_round"][0] <= 0.25)
     return out
@@ -225,8 +249,9 @@ def main_memory(args) -> None:
     cat = get_catalogue("minisci")
     rows = []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
-          "after 2 / tip-free | tips true | tips exact | irrelevant tips (change) | gold tip / trapped tip |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "after 2 / tip-free | tips true | tips exact | irrelevant tips (change) | gold tip / trapped tip | "
+          "another house's gold tip (change) | another task's gold tip (change) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         cfg = load_config(base + parse_setting(setting))
         for family in args.families:
@@ -242,13 +267,20 @@ def main_memory(args) -> None:
                   f"{res['wrong_focus_by_round'][0]:.2f} | {after} | {ratio} | {res['tip_truth']:.2f} | "
                   f"{res['tips_exact']:.2f} | {res['irrelevant_tips_score']:.1f} "
                   f"({ci_text(v['irrelevant_change'], signed=True)}) | "
-                  f"{res['gold_tip_score']:.1f} / {res['trapped_tip_score']:.1f} |",
+                  f"{res['gold_tip_score']:.1f} / {res['trapped_tip_score']:.1f} | "
+                  f"{scripted_change(res, v, 'other_house')} | {scripted_change(res, v, 'other_task')} |",
                   flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "threads": args.threads, "args": vars(args),
                                "rows": rows}, indent=2))
     print(f"intervals: 95% paired bootstrap over the {args.groups} instances of a family\nwrote {out}")
+
+
+def scripted_change(res: dict, verdicts: dict, name: str) -> str:
+    if f"{name}_change" not in verdicts:
+        return "-"
+    return f"{res[name + '_tip_score']:.1f} ({ci_text(verdicts[name + '_change'], signed=True)})"
 
 
 def ci_text(ci: tuple[float, float, float], unit: str = "", signed: bool = False) -> str:

@@ -11,10 +11,11 @@ the tip writer, `--iterations` rounds, each playing with the model the last one 
 self-played example so far. With `--learn actions` it learns to read instead: each round plays every dev
 instance once with the gold path's tip in memory and labels every state its episodes reach while only moving with
 the expert's action there (`empo2.prior_tips.reader_examples`: DAgger for the reader); `--learn both` does both
-in each round. With `--foreign` each round also plays every dev instance under another instance's tips of its
-family and labels each state it reaches with the action it samples itself from the tip-free prompt there
-(`reader_examples(foreign=True)`: tips that do not apply should change nothing); `--replay-kinds` chooses which
-kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the calibration loads with
+in each round. With `--foreign house` (`task`) each round also plays every dev instance under the tips of another
+instance of its family (of another family) and labels each state it reaches with the action it samples itself
+from the tip-free prompt there (`reader_examples(foreign=...)`: tips that do not apply should change nothing);
+`--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
+calibration loads with
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory \\
         --override model.name=hf model.path=OUT model.dtype=float32 ...
@@ -43,8 +44,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--learn", choices=("tips", "actions", "both"), default="tips",
                     help="what its own episodes teach: the tips it writes, its actions under a locating tip, or both")
-    ap.add_argument("--foreign", action="store_true",
-                    help="also learn to act as without tips under another instance's tips (see reader_examples)")
+    ap.add_argument("--foreign", nargs="+", choices=("house", "task"), default=[],
+                    help="also learn to act as without tips under another house's or another task's tips "
+                         "(see reader_examples)")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
@@ -77,8 +79,9 @@ def main() -> None:
             if args.learn in ("actions", "both"):
                 examples, played["actions"] = reader_examples(model, tok, seed=args.seed + 1000 * it)
                 own += examples
-            if args.foreign:
-                examples, played["foreign"] = reader_examples(model, tok, seed=args.seed + 1000 * it, foreign=True)
+            for kind in args.foreign:
+                examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
+                                                                      foreign=kind)
                 own += examples
             mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,

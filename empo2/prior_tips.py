@@ -379,9 +379,10 @@ class _TipRequests:
         return getattr(self.engine, name)
 
 
-def _own_play(model, tok, max_turns: int, variations_per_family: int | None, seed: int):
+def _own_play(model, tok, max_turns: int, variations_per_family: int | None, seed: int, shuffle: bool = False):
     """The collector as calibration and RL run it (memory on, p = 1) and the dev instances it plays, one house draw
-    each (one tip namespace per instance): the first `variations_per_family` of each family, or all. Yields, per
+    each (one tip namespace per instance): the first `variations_per_family` of each family, or all; family by
+    family, or with `shuffle` in an order drawn from `seed` (so that a chunk holds every family). Yields, per
     chunk of instances played side by side, (instances done, chunk, collector with the chunk's envs, replay envs
     of the same houses, task specs)."""
     from empo2.config import load_config
@@ -397,6 +398,8 @@ def _own_play(model, tok, max_turns: int, variations_per_family: int | None, see
         for family, variation, _ in instances:
             first.setdefault(family, []).append(variation)
         instances = [i for i in instances if i[1] in first[i[0]][:variations_per_family]]
+    if shuffle:
+        random.Random(seed).shuffle(instances)
     collector = build_collector(cfg, model, tok, 1)
     for start in range(0, len(instances), SELF_PLAY_CHUNK):
         chunk = instances[start:start + SELF_PLAY_CHUNK]
@@ -478,33 +481,36 @@ def expert_labels(env, family: str, variation: int, actions: list[str]) -> list[
     return labels
 
 
-def foreign_tips(chunk, played: list, rng: random.Random) -> list[list]:
-    """Per instance of `chunk` ((family, variation, house) each), 1-3 of the entries `played` holds for another
-    instance of the same family and another variation (its scripted episodes' tips); none for an instance whose
-    family has no other variation in the chunk."""
+def foreign_tips(chunk, played: list, rng: random.Random, same_family: bool = True) -> list[list]:
+    """Per instance of `chunk` ((family, variation, house) each), 1-3 of the entries `played` holds for one other
+    instance: of the same family and another variation (`same_family`: another house's tips, which read like
+    this one's) or of another family (another task's); none for an instance that has no such other in the chunk."""
     out = []
     for family, variation, _ in chunk:
-        donors = [j for j, (f, v, _) in enumerate(chunk) if f == family and v != variation]
+        donors = [j for j, (f, v, _) in enumerate(chunk) if (f == family and v != variation if same_family else
+                                                             f != family)]
         out.append(rng.sample(played[rng.choice(donors)], rng.randint(1, 3)) if donors else [])
     return out
 
 
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
-                    foreign: bool = False, log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+                    foreign: str | None = None, log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader): each dev instance
     (`_own_play`) is played once through the collector with a memory holding scripted episodes' hindsight tips,
     keyed as the collector keys its own; every example is the collector's own prompt at a state its episode
     reached (IGNORED), then a label and end of turn (TARGET). Returns the examples and play statistics
     (`agreed`: states where its action was the label).
 
-    - `foreign=False`: the tips are the gold path's, with 0-2 of other scripted episodes of the same instance
+    - no `foreign`: the tips are the gold path's, with 0-2 of other scripted episodes of the same instance
       (prior-driven, careful search) as a LOCATED sequence has them. The states are those reached while only
       moving, labelled with the expert's action there (`expert_labels`): the tips say where what the task
       needs is, so the label asks only for what they tell.
-    - `foreign=True`: the tips are 1-3 of the scripted episodes of another dev instance of the same family
-      (another variation, another house): nothing in them is about this house, though they read like tips that
-      are. Every state reached is labelled with the action the model itself samples from the tip-free prompt
-      of that state (the same history with every tip block cut out): the tip-free policy distilled into
+    - `foreign="house"` or `"task"`: the tips are 1-3 of the scripted episodes of another dev instance, of the same
+      family and another variation (another house: nothing in them is about this house, though they read like
+      tips that are; keyed as the donor's) or of another family (another task; keyed as this instance's own gold
+      path's tip, so retrieval finds them as it would its own; the instances are shuffled so that every chunk
+      holds every family). Every state reached is labelled with the action the model itself samples from the
+      tip-free prompt of that state (the same history with every tip block cut out): the tip-free policy distilled into
       prompts whose tips do not apply, so that it learns to use what a tip says, not that a tip is there."""
     from empo2.memory import TipMemory
     from empo2.rollout.engines.base import SamplingParams
@@ -514,8 +520,10 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
     generator = torch.Generator().manual_seed(seed)
     examples, stats = [], {"episodes": 0, "score": 0.0, "states": 0, "agreed": 0}
     eos = tok.eos_token_id
-    for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns,
-                                                                         variations_per_family, seed):
+    if foreign not in (None, "house", "task"):
+        raise ValueError(f"foreign must be None, 'house' or 'task', got {foreign!r}")
+    for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns, variations_per_family,
+                                                                         seed, shuffle=foreign == "task"):
         played, own_tips = [], []  # per instance: (tip, key text, score) of its scripted episodes; the gold set
         for (family, variation, house), env in zip(chunk, replay_envs):
             env.reset(task=family, variation=variation)
@@ -527,8 +535,10 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             played.append(tips)
             own_tips.append([tips[0], *rng.sample(tips[1:], rng.randint(0, 2))])
         texts, keys, metas = [], [], []
-        for (family, variation, _), tips in zip(chunk, foreign_tips(chunk, played, donor_rng) if foreign else own_tips):
+        chosen = foreign_tips(chunk, played, donor_rng, foreign == "house") if foreign else own_tips
+        for (family, variation, _), tips, own in zip(chunk, chosen, played):
             for text, key, score in tips:
+                key = own[0][1] if foreign == "task" else key
                 texts.append(text)
                 keys.append(key)
                 metas.append({"task": family, "variation": variation, "episode_return": score / 100})
@@ -560,7 +570,7 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             stats["agreed"] += action == label
             target = tok.encode(label, add_special_tokens=False) + [eos]
             examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
-        log(f"reader{' (foreign tips)' if foreign else ''}: {done}/{total} instances, score "
+        log(f"reader{f' (another {foreign} tips)' if foreign else ''}: {done}/{total} instances, score "
             f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states")
     stats["score"] /= max(stats["episodes"], 1)
     return examples, stats

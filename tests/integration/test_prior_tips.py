@@ -365,29 +365,38 @@ def test_reader_examples_label_the_collectors_own_prompts_under_a_locating_tip(s
     assert firsts == golds
 
 
-def test_foreign_tips_are_another_variation_of_the_same_family():
-    """Each instance borrows 1-3 of the tips of one other instance of its family, never of its own variation
-    (another house draw of it would describe its own house); a family alone in the chunk borrows nothing."""
+def test_foreign_tips_are_another_house_of_the_same_family_or_another_task():
+    """Each instance borrows 1-3 of the tips of one other instance: of its family and never of its own variation
+    (another house draw of it would describe its own house), or of another family; with no such other in the
+    chunk it borrows nothing. In time every eligible donor is drawn."""
     import random
 
     chunk = [("a", 1, {}), ("a", 2, {}), ("b", 3, {}), ("a", 4, {}), ("c", 5, {}), ("c", 5, {"num_rooms": 5})]
     played = [[f"tip {j}.{k}" for k in range(3)] for j in range(len(chunk))]
-    rng = random.Random(0)
-    donors_seen = set()
-    for _ in range(50):
-        for i, (got, (family, variation, _)) in enumerate(zip(foreign_tips(chunk, played, rng), chunk)):
-            if family != "a":
-                assert got == []
-                continue
-            assert 1 <= len(got) <= 3 and len(set(got)) == len(got)
-            (donor,) = {int(tip.split()[1].split(".")[0]) for tip in got}
-            assert chunk[donor][0] == family and chunk[donor][1] != variation
-            donors_seen.add((i, donor))
-    assert donors_seen == {(i, j) for i in (0, 1, 3) for j in (0, 1, 3) if i != j}  # every other one, in time
+    for same_family in (True, False):
+        rng = random.Random(0)
+        seen, eligible = set(), set()
+        for _ in range(60):
+            for i, got in enumerate(foreign_tips(chunk, played, rng, same_family)):
+                family, variation, _ = chunk[i]
+                donors = {j for j, (f, v, _) in enumerate(chunk)
+                          if (f == family and v != variation if same_family else f != family)}
+                eligible |= {(i, j) for j in donors}
+                if not donors:
+                    assert got == []
+                    continue
+                assert 1 <= len(got) <= 3 and len(set(got)) == len(got)
+                (donor,) = {int(tip.split()[1].split(".")[0]) for tip in got}
+                assert donor in donors
+                seen.add((i, donor))
+        assert seen == eligible and eligible
+    got = foreign_tips(chunk, played, random.Random(0))
+    assert got[2] == got[4] == got[5] == []  # b alone in its family; c's two houses of one variation
 
 
+@pytest.mark.parametrize("kind", ["house", "task"])
 def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_the_tip_free_prompt(
-        small_policy, monkeypatch):
+        small_policy, monkeypatch, kind):
     """One example per state reached with tips in the prompt: that prompt (IGNORED), then the action the policy
     generated from the same prompt with every tip block cut out, and end of turn (TARGET)."""
     import re
@@ -410,14 +419,14 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
 
     own_play = prior_tips._own_play
 
-    def recorded(*args):
-        for done, chunk, collector, envs, specs in own_play(*args):
+    def recorded(*args, **kwargs):
+        for done, chunk, collector, envs, specs in own_play(*args, **kwargs):
             collector.engine = Recording(collector.engine)
             yield done, chunk, collector, envs, specs
 
     monkeypatch.setattr(prior_tips, "_own_play", recorded)
     model, tok = small_policy
-    examples, stats = reader_examples(model, tok, variations_per_family=2, foreign=True, log=lambda _: None)
+    examples, stats = reader_examples(model, tok, variations_per_family=2, foreign=kind, log=lambda _: None)
     tip_free, gens = calls[-1]  # after the episodes: one call over the tip-free prompts of every state
     assert len(examples) == stats["states"] == len(tip_free) >= stats["episodes"] > 0
     block = re.compile(r"\n\n" + re.escape(TIP_HEADER) + r"\n(?:<tip>[^\n]*</tip>\n)+")
