@@ -20,10 +20,11 @@ round retrieving (p = 1) only the tips the policy itself wrote after the earlier
 instance; round 0 has an empty memory, so it is the tip-free score. Also the share of its own tips that
 state a task-relevant thing's true room (and claim no false one), the share that are exactly the hindsight tip
 its episode supports (`empo2.prior_tips.hindsight_tip` of its actions replayed: what it saw where, the focus that
-failed, the score), and the score when the memory holds only irrelevant tips (those written for another
-instance), and, to tell reading tips from writing them, the score with one scripted episode's hindsight tip per
-instance instead of its own: the gold path's (true, locating what the task needs) and a trapped prior-driven
-episode's (which look-alike failed).
+failed, the score), and the score when the memory holds only irrelevant tips (those it wrote for the next
+instance of the family), and, to tell reading tips from writing them, the score with one scripted episode's
+hindsight tip per instance instead of its own: the gold path's (true, locating what the task needs), a trapped
+prior-driven episode's (which look-alike failed), and, to tell what a tip says from that a tip is there, the gold
+path's tip of another house of the family and of an instance of another family.
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
 """
