@@ -570,7 +570,8 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             stats["agreed"] += action == label
             target = tok.encode(label, add_special_tokens=False) + [eos]
             examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
-        log(f"reader{f' (another {foreign} tips)' if foreign else ''}: {done}/{total} instances, score "
+        under = f" (another {foreign}'s tips)" if foreign else ""
+        log(f"reader{under}: {done}/{total} instances, score "
             f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states")
     stats["score"] /= max(stats["episodes"], 1)
     return examples, stats
