@@ -54,11 +54,23 @@ def seed_everything(seed: int) -> None:
 
 
 def make_run_dir(run_root: str, run_name: str | None) -> Path:
-    """`<run_root>/<run_name or timestamp>`; an existing folder is reused (that is how resume finds it)."""
-    name = run_name or time.strftime("%Y%m%d-%H%M%S")
-    path = Path(run_root).expanduser() / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """`<run_root>/<run_name>`, reused if it exists (that is how resume finds it); without a name, a new
+    `<timestamp>` folder, suffixed `-2`, `-3`, ... when runs start within the same second, so a run never
+    writes into another's folder."""
+    root = Path(run_root).expanduser()
+    if run_name:
+        (root / run_name).mkdir(parents=True, exist_ok=True)
+        return root / run_name
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = root / stamp, 1
+    while True:
+        try:
+            path.mkdir()  # atomic claim: two processes starting together cannot both get this name
+            return path
+        except FileExistsError:
+            n += 1
+            path = root / f"{stamp}-{n}"
 
 
 def plural(n: int, word: str) -> str:
