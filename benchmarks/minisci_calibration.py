@@ -24,7 +24,8 @@ failed, the score), and the score when the memory holds only irrelevant tips (th
 instance of the family), and, to tell reading tips from writing them, the score with one scripted episode's
 hindsight tip per instance instead of its own: the gold path's (true, locating what the task needs), a trapped
 prior-driven episode's (which look-alike failed), and, to tell what a tip says from that a tip is there, the gold
-path's tip of another house of the family and of an instance of another family.
+path's tip of another house of the family and of an instance of another family; and how many episodes begin
+with a `focus on`, tip-free and under each scripted tip (with how many begin by going to a room the tip names).
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
 """
@@ -102,6 +103,20 @@ def play_policy(cfg, model, tok, tasks, group_size: int, seed: int) -> dict:
     return out
 
 
+def first_moves(trajs, tok, tips: list[str] | None = None) -> dict:
+    """How many episodes begin with a `focus on` (on find-living-thing the trap waits in or next to the starting
+    room, so a reader that focuses at once has mostly taken it) and, given the one tip each instance's memory
+    holds, how many begin by going to a room that tip names: whether a tip changes the first move by what it
+    says or by being there."""
+    firsts = [tok.decode(tr.samples[0].response_ids, skip_special_tokens=True).strip() if tr.samples else ""
+              for tr in trajs]
+    out = {"first_focus": sum(f.startswith("focus on") for f in firsts)}
+    if tips is not None:
+        out["first_to_named"] = sum(f.startswith("go to ") and f" in the {f[len('go to '):]}" in tip
+                                    for f, tip in zip(firsts, tips))
+    return out
+
+
 def tip_is_true(tip: str | None, true_rooms: dict[str, str]) -> bool:
     """The tip places at least one thing the house hides (`Task.sought`), and every such thing it places is
     where it is."""
@@ -131,6 +146,8 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
     for r in range(rounds):
         batch = collector.collect(tasks, 1, iteration=r, generator=torch.Generator().manual_seed(seed + r))
         trs = batch.trajectories
+        if r == 0:
+            tip_free_first = first_moves(trs, tok)["first_focus"]
         scores.append([tr.score for tr in trs])
         success.append(statistics.fmean(tr.won for tr in trs))
         wrong_focus.append(statistics.fmean(tr.length < cfg.env.max_steps and not tr.won for tr in trs))
@@ -152,8 +169,9 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
             foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
     collector.memory, collector.settings.write_tips = foreign, False
     batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
-    scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own)
-    return {**scripted, "episodes": len(tasks) * rounds, "score_by_round": [statistics.fmean(r) for r in scores],
+    scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own, tok)
+    return {**scripted, "episodes": len(tasks) * rounds, "tip_free_first_focus": tip_free_first,
+            "score_by_round": [statistics.fmean(r) for r in scores],
             "scores": scores, "irrelevant_scores": [tr.score for tr in batch.trajectories],
             "success_by_round": success,
             "wrong_focus_by_round": wrong_focus, "tip_truth": statistics.fmean(truths) if truths else 0.0,
@@ -163,7 +181,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
             "seconds": time.perf_counter() - t0}
 
 
-def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like) -> dict:
+def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok) -> dict:
     """Whether it acts well on tips it did not write: the score with one scripted episode's hindsight tip per
     instance in memory. `gold`: the gold path's (true, locating everything the task needs); `trapped`: a
     prior-driven trapped episode's (what it saw on the way, which look-alike failed); each keyed as the collector
@@ -171,7 +189,7 @@ def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like) -> 
     about this instance, keyed as its own gold path's tip (so retrieval finds them as it would its own):
     `other_house`, the gold path's tip of the next instance of the family (another house: a tip that reads like a
     true one and is wrong here), and `other_task`, the gold path's tip of an instance of another family (about
-    another task: nothing in it applies)."""
+    another task: nothing in it applies). Per kind also the first moves (`first_moves`)."""
     import random
 
     from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
@@ -208,6 +226,7 @@ def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like) -> 
         out[f"{name}_tip_scores"] = [tr.score for tr in batch.trajectories]
         out[f"{name}_tip_score"] = batch.stats["rollout/score"]
         out[f"{name}_tip_memory_frac"] = batch.stats["rollout/memory_frac"]
+        out.update({f"{name}_tip_{k}": v for k, v in first_moves(batch.trajectories, tok, texts).items()})
     return out
 
 
@@ -251,8 +270,9 @@ def main_memory(args) -> None:
     rows = []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
           "after 2 / tip-free | tips true | tips exact | irrelevant tips (change) | gold tip / trapped tip | "
-          "another house's gold tip (change) | another task's gold tip (change) |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "another house's gold tip (change) | another task's gold tip (change) | "
+          "first move a focus: tip-free / another task's tip |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         cfg = load_config(base + parse_setting(setting))
         for family in args.families:
@@ -269,7 +289,8 @@ def main_memory(args) -> None:
                   f"{res['tips_exact']:.2f} | {res['irrelevant_tips_score']:.1f} "
                   f"({ci_text(v['irrelevant_change'], signed=True)}) | "
                   f"{res['gold_tip_score']:.1f} / {res['trapped_tip_score']:.1f} | "
-                  f"{scripted_change(res, v, 'other_house')} | {scripted_change(res, v, 'other_task')} |",
+                  f"{scripted_change(res, v, 'other_house')} | {scripted_change(res, v, 'other_task')} | "
+                  f"{res['tip_free_first_focus']} / {res.get('other_task_tip_first_focus', '-')} of {len(tasks)} |",
                   flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

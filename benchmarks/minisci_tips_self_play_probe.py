@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
+    ap.add_argument("--setting", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="TipPriorSettings fields of the stage-1 sequences mixed in (with --start: a prior built with "
+                         "other settings is not needed), e.g. irrelevant_rate=1 other_variation_rate=1")
     ap.add_argument("--episodes", type=int, default=3, help="episodes per dev instance, one after another")
     ap.add_argument("--replay", type=float, default=1.0, help="stage-1 sequences mixed in per self-played one")
     ap.add_argument("--epochs", type=float, default=3.0, help="over the examples of each fine-tuning round")
@@ -60,7 +63,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    settings = TipPriorSettings()
+    fields = {f.name: f.type for f in dataclasses.fields(TipPriorSettings)}
+    changes = {}
+    for item in args.setting:
+        key, _, value = item.partition("=")
+        if key not in fields or fields[key] not in ("float", "int"):
+            raise SystemExit(f"--setting {item}: {key!r} is not a numeric TipPriorSettings field")
+        changes[key] = float(value) if fields[key] == "float" else int(value)
+    settings = dataclasses.replace(TipPriorSettings(), **changes)
     try:
         path, model, tok, sequences = cached_prior(settings, args.start)
     except FileNotFoundError as e:  # not built yet: say so in one line

@@ -45,7 +45,8 @@ from empo2.prior import CONTEXT, IGNORED, TARGET, BCSettings, behaviour_clone, d
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
-KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED)
+OTHER_VARIATION = "other_variation"
+KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED, OTHER_VARIATION)
 # The prompt layout the prior is trained on, and so runs with (`empo2.config.MINISCI_TIPS_LAYOUT`, recorded in
 # every checkpoint built from it; conf/rollout/whole_chat.yaml, which `model=minisci_tips` selects): the whole
 # chat, each turn keeping the tips its prompt carried (the released code's layout), within one budget that
@@ -68,6 +69,12 @@ class TipPriorSettings(BCSettings):
     tips_per_prompt: tuple[int, int] = (1, 3)
     irrelevant_rate: float = 0.5  # chance per instance of an episode under another family's tips (ignored)
     misled_rate: float = 0.5  # chance per instance of an episode under a wrong tip (followed, then recovered)
+    # Chance per instance of a prior-driven episode under tips of another variation of its family, none of which
+    # names a thing of this task (so nothing in them applies, though they read like its own). 0 in builds up to 5,
+    # where every kind with tips but IRRELEVANT avoids the trap, and a reader learns that a tip block, whatever
+    # it says, switches the trap off (README, "A tip works on this reader by being there"); with it and
+    # `irrelevant_rate` at 1 about as many episodes under tips fall for the trap as avoid it for what a tip says.
+    other_variation_rate: float = 0.0
     lm_weight: float = 0.3  # weight of the context tokens' next-token loss (targets weigh 1)
     batch_size: int = 12  # whole episodes of ~1,000 tokens
     epochs: float = 5.0
@@ -266,7 +273,9 @@ def training_sequences(builder, data: list[Instance],
       look-alike whose focus failed, so a reader avoids it and searches);
     - IRRELEVANT (`irrelevant_rate`): the prior-driven episode again, under another family's tips, which say
       nothing about this house: a reader acts as without them;
-    - MISLED (`misled_rate`): the path that trusts a wrong tip (goes to the room it names) and then searches.
+    - MISLED (`misled_rate`): the path that trusts a wrong tip (goes to the room it names) and then searches;
+    - OTHER_VARIATION (`other_variation_rate`): the prior-driven episode again, under 1-3 tips of one instance of
+      another variation of the family that name nothing of this task (no sought thing, no look-alike).
     """
     rng = random.Random(settings.seed + 1)
     tips_by_family: dict[str, list[str]] = {}
@@ -292,7 +301,30 @@ def training_sequences(builder, data: list[Instance],
             out.append((IRRELEVANT, *episode_sequence(builder, inst.habit, tips)))
         if inst.misled:
             out.append((MISLED, *episode_sequence(builder, inst.misled, [inst.wrong_tip])))
+        if settings.other_variation_rate and rng.random() < settings.other_variation_rate:  # (no draw at 0: builds
+            # up to 5 keep their sequences)
+            tips = _other_variation_tips(inst, data, rng, settings.tips_per_prompt)
+            if tips:
+                out.append((OTHER_VARIATION, *episode_sequence(builder, inst.habit, tips)))
     return out
+
+
+def _other_variation_tips(inst: Instance, data: list[Instance], rng: random.Random,
+                          per_prompt: tuple[int, int]) -> list[str]:
+    """`per_prompt` (1-3) hindsight tips of one instance of `inst`'s family and another variation that name no
+    thing of `inst`'s task (a variation's look-alike is another's sought thing: a tip naming it would apply here)."""
+    from empo2.envs.minisci.env import build
+    from empo2.envs.minisci.layout import Difficulty
+
+    g = inst.gold
+    task = build(g.family, g.variation, Difficulty(**g.house))[1]
+    names = (*task.sought, *task.lookalikes)
+    donors = [d for d in data if d.gold.family == g.family and d.gold.variation != g.variation]
+    for donor in rng.sample(donors, min(3, len(donors))):  # the first with such tips, of three at most
+        tips = sorted({t for t in map(hindsight_tip, donor.episodes) if not any(n in t for n in names)})
+        if tips:
+            return rng.sample(tips, min(rng.randint(*per_prompt), len(tips)))
+    return []
 
 
 def prompt_builder(tok):

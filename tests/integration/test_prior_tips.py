@@ -2,6 +2,7 @@
 collector formats them, every step's prompt a prefix of its episode's chat), hindsight tips that say only what
 the episode's observations showed, actions with tips that follow what the tips say, and a cache built once."""
 
+import dataclasses
 import json
 
 import pytest
@@ -20,6 +21,7 @@ from empo2.prior_tips import (
     IRRELEVANT,
     LOCATED,
     MISLED,
+    OTHER_VARIATION,
     SEARCH,
     TIP_FREE,
     TipPriorSettings,
@@ -180,6 +182,32 @@ def test_each_episode_is_labelled_with_what_a_reader_of_its_tips_does(data, buil
             sequences = iter([(kind, ids, kinds), *sequences])  # not this instance's: put it back
     assert next(sequences, (None,))[0] is None
     assert 0 < irrelevant < len(insts)  # irrelevant_rate 0.5
+
+
+def test_other_variations_tips_name_nothing_of_the_task_and_leave_the_prior_driven_episode_as_it_is(data, builder):
+    """OTHER_VARIATION (off in the default settings, which keep the sequences builds up to 5 trained on): after an
+    instance's other kinds, the prior-driven episode under 1-3 tips of one instance of another variation of its
+    family, none naming a sought thing or a look-alike of this task."""
+    insts = [inst for inst in data if inst.gold.family == "find-living-thing"][:30]
+    plain = training_sequences(builder, insts, SMALL)
+    assert OTHER_VARIATION not in {kind for kind, _, _ in plain}
+    on = training_sequences(builder, insts, dataclasses.replace(SMALL, other_variation_rate=1.0))
+    checked, current = 0, iter(insts)
+    for kind, ids, kinds in on:  # each instance's sequences begin with its TIP_FREE one
+        if kind == TIP_FREE:
+            inst = next(current)
+        if kind != OTHER_VARIATION:
+            continue
+        tips = _tips_of(builder, ids)
+        assert tips and 1 <= len(tips) <= 3
+        task = build(inst.gold.family, inst.gold.variation, Difficulty(**inst.gold.house))[1]
+        assert not any(name in tip for tip in tips for name in (*task.sought, *task.lookalikes))
+        donors = {hindsight_tip(e) for other in data if other.gold.family == inst.gold.family
+                  and other.gold.variation != inst.gold.variation for e in other.episodes}
+        assert set(tips) <= donors
+        _check_sequence(builder, ids, kinds, inst.habit, tips)
+        checked += 1
+    assert checked >= 20
 
 
 def test_a_layout_where_prompts_are_not_prefixes_of_the_chat_is_refused(data, builder):
