@@ -69,7 +69,10 @@ def main() -> None:
         key, _, value = item.partition("=")
         if key not in fields or fields[key] not in ("float", "int"):
             raise SystemExit(f"--setting {item}: {key!r} is not a numeric TipPriorSettings field")
-        changes[key] = float(value) if fields[key] == "float" else int(value)
+        try:
+            changes[key] = float(value) if fields[key] == "float" else int(value)
+        except ValueError:
+            raise SystemExit(f"--setting {item}: {key} takes a number ({fields[key]})") from None
     settings = dataclasses.replace(TipPriorSettings(), **changes)
     try:
         path, model, tok, sequences = cached_prior(settings, args.start)

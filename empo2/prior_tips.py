@@ -73,7 +73,8 @@ class TipPriorSettings(BCSettings):
     # names a thing of this task (so nothing in them applies, though they read like its own). 0 in builds up to 5,
     # where every kind with tips but IRRELEVANT avoids the trap, and a reader learns that a tip block, whatever
     # it says, switches the trap off (README, "A tip works on this reader by being there"); with it and
-    # `irrelevant_rate` at 1 about as many episodes under tips fall for the trap as avoid it for what a tip says.
+    # `irrelevant_rate` at 1 about as many episodes are under tips that do not apply as avoid the trap for what
+    # a tip says (README, "Labelling with the scripted prior-driven agent").
     other_variation_rate: float = 0.0
     lm_weight: float = 0.3  # weight of the context tokens' next-token loss (targets weigh 1)
     batch_size: int = 12  # whole episodes of ~1,000 tokens
