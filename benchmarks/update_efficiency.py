@@ -8,8 +8,8 @@ is forward + backward + gradient clip + AdamW step):
   from `on_train_batch_start` to `on_train_batch_end`, so Lightning's per-step hooks and logging count
   against the module, as they do in training.
 - raw: the model's forward with `logits_to_keep=T+1`, log-softmax gather, a clipped PPO loss over the
-  response tokens, `backward`, `clip_grad_norm_`, `AdamW.step` and `zero_grad`, on tensors collated
-  once up front.
+  response tokens, `backward`, `clip_grad_norm_`, a step of the module's own AdamW (`empo2.lit.module.adamw`,
+  fused on a CPU) and `zero_grad`, on tensors collated once up front.
 
 The sides alternate in rounds (a fresh `Trainer.fit`, resp. a fresh AdamW, each round), so load from
 other processes on the machine falls on both rather than on whichever ran second. Each round's first
@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from empo2.config import ModelConfig, load_config
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
-from empo2.lit.module import EMPO2Module
+from empo2.lit.module import EMPO2Module, adamw
 from empo2.models import load_policy
 from empo2.rollout.types import StepSample
 
@@ -96,7 +96,7 @@ def time_raw(policy, batch: dict[str, torch.Tensor], old: torch.Tensor, adv: tor
              steps: int) -> list[float]:
     a, t = cfg.algo, cfg.trainer
     policy.train()  # Trainer.fit puts the module in train mode; match it
-    opt = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    opt = adamw(list(policy.parameters()), lr=t.lr, weight_decay=t.weight_decay)  # the module's optimiser
     mask = batch["response_mask"].float()
     T = batch["response_ids"].shape[1]
     times = []

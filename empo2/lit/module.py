@@ -29,6 +29,16 @@ from empo2.rollout.types import StepSample
 NONFINITE_CHECKPOINT = "nonfinite.ckpt"
 
 
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused when the parameters live on a CPU. There torch defaults to its `foreach` kernels, which
+    allocate whole-model temporaries: one step over SmolLM2-135M's parameters takes 0.62 s on 2 threads, the
+    fused kernel 0.083 s (`benchmarks/update_efficiency.py` measures it in the update). Same update to float32
+    rounding; a checkpoint restores the choice with the optimiser state, so a resume stays bit-exact. On a GPU
+    torch's default is kept."""
+    fused = all(p.device.type == "cpu" for p in params) or None
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
 class EMPO2Module(L.LightningModule):
     def __init__(self, policy, tokenizer, algo: AlgoConfig, trainer_cfg: TrainerConfig, buffer: RolloutBuffer,
                  ref_policy=None, temperature: float = 1.0):
@@ -276,7 +286,7 @@ class EMPO2Module(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        return adamw(params, lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
 
     # ---------------------------------------------------------------------------- checkpoint state
     def on_save_checkpoint(self, checkpoint: dict) -> None:
