@@ -12,7 +12,8 @@ self-played example so far. With `--learn actions` it learns to read instead: ea
 instance once with the gold path's tip in memory and labels every state its episodes reach while only moving with
 the expert's action there (`empo2.prior_tips.reader_examples`: DAgger for the reader); `--learn both` does both
 in each round. With `--foreign house` (`task`) each round also plays every dev instance under the tips of another
-instance of its family (of another family) and labels each state it reaches with the action it samples itself
+instance of its family (of another family; `category`: of its family, whose target its task's category does not
+admit) and labels each state it reaches with the action it samples itself
 from the tip-free prompt there (`reader_examples(foreign=...)`: tips that do not apply should change nothing);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
@@ -44,9 +45,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--learn", choices=("tips", "actions", "both"), default="tips",
                     help="what its own episodes teach: the tips it writes, its actions under a locating tip, or both")
-    ap.add_argument("--foreign", nargs="+", choices=("house", "task"), default=[],
-                    help="also learn to act as without tips under another house's or another task's tips "
-                         "(see reader_examples)")
+    ap.add_argument("--foreign", nargs="+", choices=("house", "category", "task"), default=[],
+                    help="also learn to act as without tips under another house's or another task's tips, or "
+                         "another house's whose thing the task's category does not admit (see reader_examples)")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")

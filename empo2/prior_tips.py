@@ -35,6 +35,7 @@ Built on first use (deterministic for a seed), written atomically and cached und
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -514,16 +515,32 @@ def expert_labels(env, family: str, variation: int, actions: list[str]) -> list[
     return labels
 
 
-def foreign_tips(chunk, played: list, rng: random.Random, same_family: bool = True) -> list[list]:
+def foreign_tips(chunk, played: list, rng: random.Random, same_family: bool = True,
+                 allowed=None) -> list[list]:
     """Per instance of `chunk` ((family, variation, house) each), 1-3 of the entries `played` holds for one other
     instance: of the same family and another variation (`same_family`: another house's tips, which read like
-    this one's) or of another family (another task's); none for an instance that has no such other in the chunk."""
+    this one's) or of another family (another task's); none for an instance that has no such other in the chunk.
+    `allowed(i, j)`, if given, must also hold for instance i to borrow from instance j."""
     out = []
-    for family, variation, _ in chunk:
+    for i, (family, variation, _) in enumerate(chunk):
         donors = [j for j, (f, v, _) in enumerate(chunk) if (f == family and v != variation if same_family else
-                                                             f != family)]
+                                                             f != family) and (allowed is None or allowed(i, j))]
         out.append(rng.sample(played[rng.choice(donors)], rng.randint(1, 3)) if donors else [])
     return out
+
+
+def outside_category(chunk) -> Callable[[int, int], bool]:
+    """For `foreign_tips`: find-living-thing instance i may borrow from instance j when j's target is a thing
+    i's task could never accept (a plant's tips for "find an animal"). A tip about another house whose thing the
+    task does admit says what a true tip would (that thing, a room, a won episode), and labelling it with the
+    tip-free action would teach the opposite of the gold tips' examples on prompts that cannot be told apart;
+    one whose thing the task cannot admit is told apart by what it says. No other family has such instances."""
+    from empo2.envs.minisci.env import build
+    from empo2.envs.minisci.layout import Difficulty
+
+    tasks = [build(f, v, Difficulty(**house))[1] if f == "find-living-thing" else None for f, v, house in chunk]
+    return lambda i, j: (tasks[i] is not None and tasks[j] is not None
+                         and tasks[j].target not in tasks[i].candidates)
 
 
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
@@ -544,7 +561,9 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
       path's tip, so retrieval finds them as it would its own; the instances are shuffled so that every chunk
       holds every family). Every state reached is labelled with the action the model itself samples from the
       tip-free prompt of that state (the same history with every tip block cut out): the tip-free policy distilled into
-      prompts whose tips do not apply, so that it learns to use what a tip says, not that a tip is there."""
+      prompts whose tips do not apply, so that it learns to use what a tip says, not that a tip is there.
+    - `foreign="category"`: as "house", with only the houses whose target the task's category does not admit
+      (`outside_category`; find-living-thing only, other families borrow none)."""
     from empo2.memory import TipMemory
     from empo2.rollout.engines.base import SamplingParams
 
@@ -553,8 +572,8 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
     generator = torch.Generator().manual_seed(seed)
     examples, stats = [], {"episodes": 0, "score": 0.0, "states": 0, "agreed": 0}
     eos = tok.eos_token_id
-    if foreign not in (None, "house", "task"):
-        raise ValueError(f"foreign must be None, 'house' or 'task', got {foreign!r}")
+    if foreign not in (None, "house", "category", "task"):
+        raise ValueError(f"foreign must be None, 'house', 'category' or 'task', got {foreign!r}")
     for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns, variations_per_family,
                                                                          seed, shuffle=foreign == "task"):
         played, own_tips = [], []  # per instance: (tip, key text, score) of its scripted episodes; the gold set
@@ -568,7 +587,8 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             played.append(tips)
             own_tips.append([tips[0], *rng.sample(tips[1:], rng.randint(0, 2))])
         texts, keys, metas = [], [], []
-        chosen = foreign_tips(chunk, played, donor_rng, foreign == "house") if foreign else own_tips
+        allowed = outside_category(chunk) if foreign == "category" else None
+        chosen = foreign_tips(chunk, played, donor_rng, foreign != "task", allowed) if foreign else own_tips
         for (family, variation, _), tips, own in zip(chunk, chosen, played):
             for text, key, score in tips:
                 key = own[0][1] if foreign == "task" else key

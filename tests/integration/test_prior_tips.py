@@ -33,6 +33,7 @@ from empo2.prior_tips import (
     foreign_tips,
     hindsight_tip,
     locates,
+    outside_category,
     prompt_builder,
     reader_examples,
     replay,
@@ -420,6 +421,33 @@ def test_foreign_tips_are_another_house_of_the_same_family_or_another_task():
         assert seen == eligible and eligible
     got = foreign_tips(chunk, played, random.Random(0))
     assert got[2] == got[4] == got[5] == []  # b alone in its family; c's two houses of one variation
+
+
+def test_another_category_s_tips_name_a_thing_the_task_could_never_accept():
+    """`foreign="category"` donors: find-living-thing houses whose target the borrower's task category does not
+    admit (an animal task borrows a plant house's tips, never another animal's; "a living thing" admits both, so it
+    borrows none), and no other family borrows."""
+    import random
+
+    from empo2.envs.minisci.search_families import ANIMALS, PLANTS
+
+    house = {"num_rooms": 4, "num_decoys": 1, "num_distractors": 1}
+    chunk = [("find-living-thing", v, house) for v in range(24)] + [("power-component", 0, house)]
+    tasks = [build(f, v, Difficulty(**h))[1] for f, v, h in chunk]
+    allowed = outside_category(chunk)
+    kinds = [t.description.split(" find ")[1].split(".")[0] for t in tasks[:-1]]
+    assert {"an animal", "a plant", "a living thing"} <= set(kinds)
+    for i, kind in enumerate(kinds):
+        for j in range(len(kinds)):
+            admits = {"an animal": ANIMALS, "a plant": PLANTS, "a living thing": ANIMALS + PLANTS}[kind]
+            assert allowed(i, j) == (tasks[j].target not in admits)
+        assert not allowed(i, len(chunk) - 1) and not allowed(len(chunk) - 1, i)
+    played = [[f"tip {j}.{k}" for k in range(3)] for j in range(len(chunk))]
+    got = foreign_tips(chunk, played, random.Random(0), True, allowed)
+    for i, tips in enumerate(got):
+        donors = {int(tip.split()[1].split(".")[0]) for tip in tips}
+        assert all(allowed(i, j) for j in donors)
+        assert (tips == []) == (i == len(chunk) - 1 or kinds[i] == "a living thing")
 
 
 @pytest.mark.parametrize("kind", ["house", "task"])

@@ -72,6 +72,7 @@ class FindTask(Task):
         )
         task = cls(description, target, box, box_room, obvious)
         task.lookalikes = tuple(lookalikes)
+        task.candidates = targets  # what the task's category admits: a target of this task in some house
         return world, task
 
     def __init__(self, description: str, target: str, box: str, box_room: str, obvious_room: str) -> None:
