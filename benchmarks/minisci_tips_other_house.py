@@ -25,7 +25,6 @@ import numpy as np
 from empo2.envs import get_catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty
-from empo2.envs.minisci.search_families import FIND_CATEGORIES
 from empo2.stats import bootstrap_ci
 
 FAMILY = "find-living-thing"
@@ -41,10 +40,8 @@ def tip_kinds(groups: int, seed: int, setting: str) -> list[str]:
     kinds = []
     for i, task in enumerate(tasks):
         named = tasks[(i + 1) % len(tasks)].target
-        category = next(c for c in FIND_CATEGORIES if task.description.startswith(f"Your task is to find a {c}")
-                        or task.description.startswith(f"Your task is to find an {c}"))
         kinds.append(KINDS[0] if named in task.sought else KINDS[1] if named in task.lookalikes
-                     else KINDS[2] if named in FIND_CATEGORIES[category][0] else KINDS[3])
+                     else KINDS[2] if named in task.candidates else KINDS[3])
     return kinds
 
 

@@ -32,9 +32,8 @@ NONFINITE_CHECKPOINT = "nonfinite.ckpt"
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW, fused when the parameters live on a CPU. There torch defaults to its `foreach` kernels, which
     allocate whole-model temporaries: one step over SmolLM2-135M's parameters takes 0.46 s on 2 threads, the
-    fused kernel 0.08 s (`benchmarks/optimizer_step.py`). Same update to float32
-    rounding; a checkpoint restores the choice with the optimiser state, so a resume stays bit-exact. On a GPU
-    torch's default is kept."""
+    fused kernel 0.08 s (`benchmarks/optimizer_step.py`). The same update to float32 rounding; a checkpoint
+    restores the choice with the optimiser state, so a resume stays bit-exact. On a GPU torch's default is kept."""
     fused = all(p.device.type == "cpu" for p in params) or None
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
 
