@@ -59,16 +59,16 @@ class EMPO2Module(L.LightningModule):
         self.last_step: dict[str, float] = {}  # actor/* of the latest optimiser step (MLflow gets iteration means)
 
     # ------------------------------------------------------------------------------------ log-probs
-    def response_logprobs(self, batch: dict[str, torch.Tensor], model=None,
-                          with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def response_logprobs(self, batch: dict[str, torch.Tensor], model=None, with_entropy: bool = False,
+                          passes: list | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """log pi_T(response token | prompt, previous response tokens), (B, T), float32, where pi_T is the
         sampling distribution softmax(logits / temperature); with `with_entropy` also its entropy, (B, T).
 
         Responses start at the same column P (see `collate`), so the LM head runs on the last T+1
-        positions only: no full-vocabulary logits over prompt tokens.
+        positions only: no full-vocabulary logits over prompt tokens. `passes`: see `_response_logits`.
         """
         model = model or self.policy
-        logits = self._response_logits(model, batch)  # (B, T+1, V): position P-1+j predicts response token j
+        logits = self._response_logits(model, batch, passes)  # (B, T+1, V): position P-1+j predicts token j
         logits = logits[:, :-1].float()  # (B, T, V)
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -79,7 +79,7 @@ class EMPO2Module(L.LightningModule):
         return token_logp
 
     @staticmethod
-    def _response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _response_logits(model, batch: dict[str, torch.Tensor], passes: list | None = None) -> torch.Tensor:
         """The logits of the last T+1 columns of the left-padded batch, (B, T+1, V); logits past a row's own
         response (padding) are zeros, and masked out of every loss.
 
@@ -91,7 +91,13 @@ class EMPO2Module(L.LightningModule):
         to them (a headline micro-batch: 30% fewer positions, forward and backward 12-16% faster). The rest runs
         in passes of similar lengths (`length_buckets`: a pass has a fixed cost, ~60 positions on minisci-bc, so
         rows a few tokens apart share one; on SmolLM2 almost only rows of one length do). A row's numbers depend on
-        what it is batched with only at float32 rounding. On a GPU one padded pass is cheaper."""
+        what it is batched with only at float32 rounding. On a GPU one padded pass is cheaper.
+
+        With `passes` (a list) and no prefix shared between passes, each pass's logits leave the graph: the
+        returned logits are built from leaves, and (pass logits, leaf) pairs are appended for `backward_passes`.
+        In one backward through several passes the autograd engine holds each parameter's gradient until the
+        last pass using it is done, a second full set of gradients (SmolLM2: 0.5 GiB); pass by pass, each
+        reaches `.grad` at once. Shared prefixes tie the passes together, so with them the graph stays whole."""
         T = batch["response_ids"].shape[1]
         if batch["input_ids"].device.type != "cpu":
             return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -108,6 +114,7 @@ class EMPO2Module(L.LightningModule):
         caches = PrefixCaches(model.get_decoder(), prefix, rows[0].device)
         if not caches.ok:  # layers whose cache is not plain keys and values (sliding window, ...)
             cut = [0] * len(rows)
+        staged = passes is not None and not any(cut)
         groups: dict[int, list[int]] = {}  # cut -> rows, each group cut into passes by length
         for b, c in enumerate(cut):
             groups.setdefault(c, []).append(b)
@@ -126,6 +133,10 @@ class EMPO2Module(L.LightningModule):
                 past = caches.rows([prefix[b] for b in run]) if c else None
                 out = model(input_ids=ids, past_key_values=past, use_cache=past is not None,
                             logits_to_keep=torch.tensor(keep)).logits  # (m, len(keep), V)
+                if staged:  # the loss's graph ends at a leaf; `backward_passes` carries its gradient on
+                    leaf = out.detach().requires_grad_()
+                    passes.append((out, leaf))
+                    out = leaf
                 at = {p: k for k, p in enumerate(keep)}
                 for j, b in enumerate(run):
                     own = out[j, [at[p] for p in range(first[b], first[b] + response[b] + 1)]]  # (t_b+1, V)
@@ -176,16 +187,18 @@ class EMPO2Module(L.LightningModule):
         return rows
 
     # ------------------------------------------------------------------------------------- update
-    def micro_batch_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    def micro_batch_loss(self, micro: MicroBatch,
+                         passes: list | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """The EMPO² loss of one micro-batch as its part of the mini-batch loss: every term is normalised by
         the whole mini-batch's valid tokens / responses (`MicroBatch`), so the micro-batch losses, and their
-        gradients, add up to the mini-batch's however it is split. Returns (loss, metrics, offpolicy (b,))."""
+        gradients, add up to the mini-batch's however it is split. Returns (loss, metrics, offpolicy (b,)).
+        With `passes`, the loss's backward must be followed by `backward_passes(passes)`."""
         a = self.algo
         samples = [self.buffer.samples[i] for i in micro.indices]
         batch = {k: v.to(self.device) for k, v in collate(samples, self.pad_id, prompt="train").items()}
         mask = batch["response_mask"]  # (b, T)
         # learner prompt: tip-free for off-policy samples
-        out = self.response_logprobs(batch, with_entropy=a.entropy_coef > 0)
+        out = self.response_logprobs(batch, with_entropy=a.entropy_coef > 0, passes=passes)
         logp, entropy = out if a.entropy_coef > 0 else (out, None)  # (b, T) each
         old = pad_logprobs([self.buffer.old_logprobs[i] for i in micro.indices], mask.shape[1])
         old = old.to(self.device)  # (b, T), behaviour prompt, current weights before this iteration's updates
@@ -210,10 +223,13 @@ class EMPO2Module(L.LightningModule):
 
     def training_step(self, micro: MicroBatch, batch_idx: int):
         """One micro-batch of the EMPO² update; the optimiser steps after the last one of a mini-batch."""
-        loss, metrics, offpolicy = self.micro_batch_loss(micro)
+        # pass by pass, except under DDP, whose reducer takes each parameter's gradient once per forward
+        passes = [] if self._trainer is None or self.trainer.world_size == 1 else None
+        loss, metrics, offpolicy = self.micro_batch_loss(micro, passes)
         # Backward even when the loss is not finite, and for zero-weight padding: under DDP every rank must
         # reduce, and a NaN then reaches every rank's gradient norm, so all ranks skip the same step.
         self.manual_backward(loss * micro.weight)
+        self.backward_passes(passes)
         if micro.weight:
             tokens = sum(len(self.buffer.samples[i].response_ids) for i in micro.indices)
             share = tokens / max(micro.num_tokens, 1)  # this micro-batch's share of the mini-batch's tokens
@@ -228,6 +244,14 @@ class EMPO2Module(L.LightningModule):
             maybe_fail("update", self.buffer.iteration)
         if micro.closes_iteration:
             self._log_iteration()
+
+    @staticmethod
+    def backward_passes(passes: list | None) -> None:
+        """After the loss's backward has reached the leaves `_response_logits` put in place of each pass's
+        logits: each pass's own backward, one after another, so its parameter gradients add into `.grad`."""
+        while passes:
+            logits, leaf = passes.pop()
+            logits.backward(leaf.grad)
 
     def _step(self) -> None:
         opt = self.optimizers()

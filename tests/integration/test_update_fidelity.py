@@ -270,6 +270,56 @@ def test_a_shared_system_and_task_prefix_runs_once_and_changes_nothing(policy):
                        module.response_logprobs(collate(whole, module.pad_id)))
 
 
+def test_passes_backpropagated_one_by_one_hand_each_gradient_to_grad_and_change_nothing(policy):
+    """Rows hundreds of tokens apart run in separate passes. Backpropagated as one graph, each parameter's
+    gradient waits in the autograd engine until the last pass that used it is done (a second full set of
+    gradients beside `.grad`); pass by pass (`backward_passes`) it reaches `.grad` after every pass. The
+    gradient is the same to float32 rounding, and a shared prefix keeps the graph whole."""
+    model, tok = policy
+    cfg = load_config(["model=tiny", "algo.kl_coef=0"])
+    g = torch.Generator().manual_seed(2)
+    samples = [StepSample(behaviour_ids=prompt, train_ids=prompt, response_ids=[5 + i, 6, 7][:1 + i], memory=False,
+                          offpolicy=False, group_id=0, traj_id=i, step=0, advantage=float(i) - 1.0)
+               for i, prompt in enumerate(torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+                                          for n in (12, 700, 1500))]
+    micro = plan_epoch([len(s.response_ids) for s in samples], 1, len(samples), None,
+                       torch.Generator().manual_seed(0))[0][0]
+    module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+    module.buffer.old_logprobs = module.old_logprobs(samples, 4)
+    accumulated = dict.fromkeys(model.parameters(), 0)
+
+    def count(p):
+        accumulated[p] += 1
+
+    handles = [p.register_post_accumulate_grad_hook(count) for p in model.parameters()]
+    grads, counts = [], []
+    try:
+        for passes in (None, []):
+            model.zero_grad()
+            accumulated.update(dict.fromkeys(accumulated, 0))
+            loss, _, _ = module.micro_batch_loss(micro, passes)
+            n_passes = len(passes or [])
+            loss.backward()
+            module.backward_passes(passes)
+            assert not passes  # all run
+            grads.append([p.grad.clone() for p in model.parameters()])
+            counts.append((n_passes, set(accumulated.values())))
+        # a shared prefix ties the passes together: nothing is cut from the graph
+        shared = [dataclasses.replace(s, prefix_len=6) for s in samples]
+        module.buffer = RolloutBuffer(shared)
+        module.buffer.old_logprobs = module.old_logprobs(shared, 4)
+        kept: list = []
+        module.micro_batch_loss(micro, kept)
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad()
+    assert counts == [(0, {1}), (3, {3})]  # once per parameter in one graph; once per pass, pass by pass
+    assert kept == []
+    for whole, by_pass in zip(*grads):
+        torch.testing.assert_close(by_pass, whole, rtol=1e-5, atol=1e-7)
+
+
 def test_old_logprobs_are_the_sampling_distribution_at_the_rollout_temperature(policy):
     """What the engine sampled from, softmax(logits / T), read off `generate`'s processed scores, must be
     what the trainer takes as behaviour log-probs."""
