@@ -89,8 +89,8 @@ class EMPO2Module(L.LightningModule):
         left-padded pass; SmolLM2, 8 rows: 12%). Rows that share their system and task text (`prefix_len`) run it
         once: a first pass over each distinct prefix keeps its keys and values, and the rest of every row attends
         to them (a headline micro-batch: 30% fewer positions, forward and backward 12-16% faster). The rest runs
-        in passes of similar lengths (`length_buckets`: a pass has a fixed cost, ~60 positions on minisci-bc, so
-        rows a few tokens apart share one; on SmolLM2 almost only rows of one length do). A row's numbers depend on
+        in passes of similar lengths (`length_buckets`: a pass has a fixed cost, `PASS_COST` positions, so rows
+        tens of tokens apart share one). A row's numbers depend on
         what it is batched with only at float32 rounding. On a GPU one padded pass is cheaper.
 
         With `passes` (a list) and no prefix shared between passes, each pass's logits leave the graph: the
@@ -118,10 +118,9 @@ class EMPO2Module(L.LightningModule):
         groups: dict[int, list[int]] = {}  # cut -> rows, each group cut into passes by length
         for b, c in enumerate(cut):
             groups.setdefault(c, []).append(b)
-        pass_cost = _pass_cost(model)
         parts, order = [], []
         for c, members in groups.items():
-            for bucket in length_buckets([lengths[b] - c for b in members], pass_cost):
+            for bucket in length_buckets([lengths[b] - c for b in members], PASS_COST):
                 run = [members[i] for i in bucket]
                 width = max(lengths[b] for b in run) - c
                 ids = torch.zeros((len(run), width), dtype=torch.long)  # (m, width), right-padded
@@ -321,12 +320,12 @@ class EMPO2Module(L.LightningModule):
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
-def _pass_cost(model) -> float:
-    """What one more decoder pass costs beyond its positions, in positions: a fixed cost per layer against a
-    position's cost, which grows as hidden size squared. Measured on 2 cores, forward and backward: minisci-bc
-    (hidden 128) ~4.7 ms per pass against ~75 us per position (~60 positions); for SmolLM2 (hidden 576) a pass
-    costs about what 2-3 positions do."""
-    return (1000 / getattr(model.config, "hidden_size", 1000)) ** 2
+# What one more decoder pass costs the CPU update's forward and backward beyond its positions, in positions: a
+# pass streams every weight and writes every weight's gradient once, and runs each layer's kernels once however
+# few its rows. Measured on 2 cores (`benchmarks/pass_cost.py`): SmolLM2-135M ~50 (~130 ms per pass against
+# ~2.6 ms per position), minisci-bc ~105 (~3.6 ms against ~34 us). One constant between them: near the best
+# grouping the positions run change slowly with it.
+PASS_COST = 75
 
 
 def length_buckets(lengths: list[int], pass_cost: float) -> list[list[int]]:
