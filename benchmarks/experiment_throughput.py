@@ -113,7 +113,7 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     timed(checkpoint_io.AtomicCheckpointIO, "save_checkpoint", "checkpoint")
     real_loss = module.EMPO2Module.micro_batch_loss
 
-    def micro_batch_loss(self, micro):  # positions the update's forward passes ran vs the samples' own
+    def micro_batch_loss(self, micro, *args):  # positions the update's forward passes ran vs the samples' own
         samples = [self.buffer.samples[i] for i in micro.indices]
         positions["tokens"] += sum(len(s.train_ids) + len(s.response_ids) for s in samples)
 
@@ -122,7 +122,7 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
 
         handle = self.policy.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
         try:
-            return real_loss(self, micro)
+            return real_loss(self, micro, *args)
         finally:
             handle.remove()
 
