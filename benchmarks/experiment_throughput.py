@@ -11,8 +11,9 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
   tips reader instead);
 - `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
   its saving in memory);
-- `demo_lowmem`: `demo_gc` with micro-batches capped at `trainer.micro_batch_tokens=1280` (about 4 demo prompts),
-  on the head commit only: the demo's smallest peak memory.
+- `demo_lowmem`: `demo_gc` with micro-batches capped at `trainer.micro_batch_tokens=1280` (about 4 demo prompts)
+  and the allocator's free memory returned before each backward (`trainer.release_memory=true`), on the head
+  commit only: the demo's smallest peak memory.
 
 The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
 and the validation before training are not counted; the periodic validation and the checkpoints are.
@@ -46,7 +47,8 @@ CONFIGS = ("headline", "demo", "demo_gc", "demo_lowmem")
 HEAD_ONLY = ("demo_gc", "demo_lowmem")  # options the base commit may not have
 # Overrides of the demo configurations (the demo itself is `empo2 train` with the defaults).
 DEMO_EXTRA = {"demo": [], "demo_gc": ["trainer.gradient_checkpointing=true"],
-              "demo_lowmem": ["trainer.gradient_checkpointing=true", "trainer.micro_batch_tokens=1280"]}
+              "demo_lowmem": ["trainer.gradient_checkpointing=true", "trainer.micro_batch_tokens=1280",
+                              "trainer.release_memory=true"]}
 
 
 # ------------------------------------------------------------------------------------ child process

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import random
@@ -110,3 +113,16 @@ def hold_interrupt(act: Callable[[], None]) -> bool:
         _held_interrupt = act
         return True
     return False
+
+
+def release_free_memory() -> None:
+    """Return the memory glibc's allocator holds free to the OS (`malloc_trim(0)`: also whole free pages inside
+    its heaps, not only at their top). Does nothing with another C library."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    return getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)

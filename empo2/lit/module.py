@@ -25,6 +25,7 @@ from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.prefix_cache import PrefixCaches, cheapest_runs
 from empo2.rollout.types import StepSample
+from empo2.utils import release_free_memory
 
 NONFINITE_CHECKPOINT = "nonfinite.ckpt"
 
@@ -225,6 +226,8 @@ class EMPO2Module(L.LightningModule):
         # pass by pass, except under DDP, whose reducer takes each parameter's gradient once per forward
         passes = [] if self._trainer is None or self.trainer.world_size == 1 else None
         loss, metrics, offpolicy = self.micro_batch_loss(micro, passes)
+        if self.tcfg.release_memory:
+            release_free_memory()
         # Backward even when the loss is not finite, and for zero-weight padding: under DDP every rank must
         # reduce, and a NaN then reaches every rank's gradient norm, so all ranks skip the same step.
         self.manual_backward(loss * micro.weight)

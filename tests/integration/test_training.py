@@ -79,6 +79,27 @@ def test_resume_is_exact(tmp_path):
     assert again["metrics"]["train/env_steps"] == resumed["metrics"]["train/env_steps"]
 
 
+def test_release_memory_trims_before_every_backward_and_changes_nothing_learned(tmp_path, monkeypatch):
+    import empo2.lit.module as module_mod
+
+    calls: list[int] = []
+    real = module_mod.release_free_memory
+    monkeypatch.setattr(module_mod, "release_free_memory", lambda: (calls.append(1), real())[1])
+    backwards: list[int] = []
+    real_backward = module_mod.EMPO2Module.manual_backward
+    monkeypatch.setattr(module_mod.EMPO2Module, "manual_backward",
+                        lambda self, *a, **k: (backwards.append(1), real_backward(self, *a, **k))[1])
+    runs = {}
+    for release in (False, True):
+        calls.clear()
+        backwards.clear()
+        runs[release] = train(load_config(FAST + [f"run_root={tmp_path}", f"run_name=r{int(release)}",
+                                                  f"trainer.release_memory={str(release).lower()}"]))
+        assert len(calls) == (len(backwards) if release else 0) and backwards
+    wa, wb = _weights(runs[False]["checkpoint"]), _weights(runs[True]["checkpoint"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_keeps_ranks_identical(tmp_path):
     """Two gloo ranks collect different rollouts, all-reduce gradients and all-gather tips: they must end
