@@ -57,6 +57,15 @@ def ui_link(base: str, experiment: str, run_id: str | None = None) -> str:
     return f"{page}?{MLFLOW_UI_VIEW}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of a local sqlite store keeps its runs' files: `mlartifacts/` beside the
+    database, so a run root holds everything of its runs (MLflow's default, `./mlruns`, is relative to the
+    working directory of whichever process created the experiment). Other stores choose their own: None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+
+
 def experiment_id(client, name: str) -> str:
     """The id of MLflow experiment `name`, created when missing, marked as a model-training experiment
     (`EXPERIMENT_KIND`) so the UI opens it on its runs. An experiment without the mark gets it; a kind set
@@ -67,7 +76,8 @@ def experiment_id(client, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name, tags={key: value})
+            return client.create_experiment(name, artifact_location=artifact_location(client.tracking_uri),
+                                            tags={key: value})
         except MlflowException:  # another process (a grid worker, a sweep driver) created it just before
             exp = client.get_experiment_by_name(name)
             if exp is None:

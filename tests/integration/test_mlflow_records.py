@@ -59,6 +59,17 @@ def test_the_experiment_opens_on_runs_and_the_report_links_the_run_in_that_view(
     assert link in trained["stdout"]
 
 
+def test_a_run_roots_files_stay_under_it_whatever_the_working_directory(trained):
+    """The run's files go to `mlartifacts/` beside the sqlite store, not to the `./mlruns` of whatever
+    directory the command ran in."""
+    client, run = trained["client"], trained["run"]
+    home = trained["root"] / "mlartifacts"
+    assert client.get_experiment(run.info.experiment_id).artifact_location == home.as_uri()
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert files and all((home / run.info.run_id / "artifacts" / f).exists() for f in files)
+    assert not (trained["root"].parent / "mlruns").exists() and not os.path.exists("mlruns")
+
+
 def test_experiment_id_marks_new_and_unmarked_experiments_and_keeps_a_kind_set_by_hand(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     key, value = EXPERIMENT_KIND
