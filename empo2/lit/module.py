@@ -91,8 +91,8 @@ class EMPO2Module(L.LightningModule):
         once: a first pass over each distinct prefix keeps its keys and values, and the rest of every row attends
         to them (a headline micro-batch: 30% fewer positions, forward and backward 12-16% faster). The rest runs
         in passes of similar lengths (`length_buckets`: a pass has a fixed cost, `PASS_COST` positions, so rows
-        tens of tokens apart share one). A row's numbers depend on
-        what it is batched with only at float32 rounding. On a GPU one padded pass is cheaper.
+        tens of tokens apart share one). A row's numbers depend on what it is batched with only at float32
+        rounding. On a GPU one padded pass is cheaper.
 
         With `passes` (a list) and no prefix shared between passes, each pass's logits leave the graph: the
         returned logits are built from leaves, and (pass logits, leaf) pairs are appended for `backward_passes`.
