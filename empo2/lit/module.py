@@ -325,8 +325,8 @@ class EMPO2Module(L.LightningModule):
 
 # What one more decoder pass costs the CPU update's forward and backward beyond its positions, in positions: a
 # pass streams every weight and writes every weight's gradient once, and runs each layer's kernels once however
-# few its rows. Measured on 2 cores (`benchmarks/pass_cost.py`): SmolLM2-135M ~50 (~130 ms per pass against
-# ~2.6 ms per position), minisci-bc ~105 (~3.6 ms against ~34 us). One constant between them: near the best
+# few its rows. Measured on 2 cores (`benchmarks/pass_cost.py`): SmolLM2-135M ~45-50 (~125 ms per pass against
+# ~2.7 ms per position), minisci-bc ~105 (~3.6 ms against ~35 us). One constant between them: near the best
 # grouping the positions run change slowly with it.
 PASS_COST = 75
 
