@@ -47,6 +47,7 @@ from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
 from empo2.models import load_policy
+from empo2.prior_tips import tips_signed
 from empo2.stats import bootstrap_ci
 from empo2.train import build_collector, env_kwargs
 
@@ -126,9 +127,11 @@ def tip_is_true(tip: str | None, true_rooms: dict[str, str]) -> bool:
     return bool(claims) and all(f"{thing} in the {room}" in tip for thing, room in claims.items())
 
 
-def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -> dict:
+def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, signature: bool = False) -> dict:
     """Memory-only adaptation of one family: score per round with the policy's own tips, tip truth and
-    exactness, the score with irrelevant tips only, and with one scripted tip per instance (gold / trapped)."""
+    exactness, the score with irrelevant tips only, and with one scripted tip per instance (gold / trapped).
+    `signature`: the policy learned tips that open with their task's signature (`prior_tips.tips_signed`), so
+    the tip its episode supports and the scripted tips do too."""
     from empo2.envs.minisci.env import build
     from empo2.envs.minisci.layout import Difficulty
     from empo2.memory import TipMemory
@@ -154,7 +157,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
         truths += [tip_is_true(tr.tip, rooms) for tr, rooms in zip(trs, true_rooms)]
         for spec, tr in zip(tasks, trs):  # the tip the episode supports, from its actions replayed
             ep = replay(replay_env, spec.task, spec.variation, house, tr, tok, cfg.env.max_steps)
-            exact.append(ep is not None and tr.tip == hindsight_tip(ep))
+            exact.append(ep is not None and tr.tip == hindsight_tip(ep, signature))
         for spec, tr in list(zip(tasks, trs))[:show]:  # what the numbers come from: actions and the tip written
             actions = [tok.decode(s.response_ids, skip_special_tokens=True).strip() for s in tr.samples]
             print(f"  round {r} {spec.task}/{spec.variation}: score {tr.score:.0f}, actions {actions}, tip {tr.tip!r}")
@@ -169,7 +172,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
             foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
     collector.memory, collector.settings.write_tips = foreign, False
     batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
-    scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own, tok)
+    scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own, tok, signature)
     return {**scripted, "episodes": len(tasks) * rounds, "tip_free_first_focus": tip_free_first,
             "score_by_round": [statistics.fmean(r) for r in scores],
             "scores": scores, "irrelevant_scores": [tr.score for tr in batch.trajectories],
@@ -181,7 +184,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0) -
             "seconds": time.perf_counter() - t0}
 
 
-def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok) -> dict:
+def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok, signature: bool = False) -> dict:
     """Whether it acts well on tips it did not write: the score with one scripted episode's hindsight tip per
     instance in memory. `gold`: the gold path's (true, locating everything the task needs); `trapped`: a
     prior-driven trapped episode's (what it saw on the way, which look-alike failed); each keyed as the collector
@@ -200,7 +203,7 @@ def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok
         env.reset(task=spec.task, variation=spec.variation)
         actions = env.gold_actions() if name != "trapped" else scripted(random.Random(seed), trap=True)
         ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
-        return hindsight_tip(ep), collector._key_text(env, ep.turns, ep.final_obs), ep.score
+        return hindsight_tip(ep, signature), collector._key_text(env, ep.turns, ep.final_obs), ep.score
 
     families = [f for f in FAMILIES if f not in OOD_FAMILIES]
     other = families[(families.index(tasks[0].task) + 1) % len(families)] if tasks[0].task in families else None
@@ -264,8 +267,10 @@ def main_memory(args) -> None:
             f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64",
             f"seed={args.seed}", f"rollout.temperature={args.temperature}",
             f"rollout.tip_temperature={args.tip_temperature}", *args.override]
-    model, tok = load_policy(load_config(base).model)
+    model_cfg = load_config(base).model
+    model, tok = load_policy(model_cfg)
     model.eval()
+    signature = bool(model_cfg.path) and tips_signed(model_cfg.path)
     cat = get_catalogue("minisci")
     rows = []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
@@ -277,7 +282,7 @@ def main_memory(args) -> None:
         cfg = load_config(base + parse_setting(setting))
         for family in args.families:
             tasks = cat.sample(args.groups, "train", seed=args.seed, tasks=[family])
-            res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed, args.show)
+            res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed, args.show, signature)
             res["verdicts"] = v = memory_verdicts(res, family, args.seed)
             rows.append({"setting": setting or "default", "family": family, **res})
             c = res["score_by_round"]

@@ -37,7 +37,7 @@ import torch
 from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.models import save_cached_checkpoint
 from empo2.prior import behaviour_clone
-from empo2.prior_tips import KINDS, TipPriorSettings, cached_prior, reader_examples, self_play_examples
+from empo2.prior_tips import KINDS, TipPriorSettings, cached_prior, reader_examples, self_play_examples, tips_signed
 
 
 def main() -> None:
@@ -68,13 +68,20 @@ def main() -> None:
     changes = {}
     for item in args.setting:
         key, _, value = item.partition("=")
-        if key not in fields or fields[key] not in ("float", "int"):
-            raise SystemExit(f"--setting {item}: {key!r} is not a numeric TipPriorSettings field")
+        if key not in fields or fields[key] not in ("float", "int", "bool"):
+            raise SystemExit(f"--setting {item}: {key!r} is not a numeric or boolean TipPriorSettings field")
         try:
-            changes[key] = float(value) if fields[key] == "float" else int(value)
-        except ValueError:
-            raise SystemExit(f"--setting {item}: {key} takes a number ({fields[key]})") from None
+            if fields[key] == "bool":
+                changes[key] = {"1": True, "true": True, "0": False, "false": False}[value.lower()]
+            else:
+                changes[key] = float(value) if fields[key] == "float" else int(value)
+        except (KeyError, ValueError):
+            raise SystemExit(f"--setting {item}: {key} takes a {'0 or 1' if fields[key] == 'bool' else 'number'} "
+                             f"({fields[key]})") from None
+    if args.start and "tip_signature" not in changes:  # its tips are labelled as the checkpoint learned them
+        changes["tip_signature"] = tips_signed(args.start)
     settings = dataclasses.replace(TipPriorSettings(), **changes)
+    signature = settings.tip_signature
     try:
         path, model, tok, sequences = cached_prior(settings, args.start)
     except FileNotFoundError as e:  # not built yet: say so in one line
@@ -88,14 +95,16 @@ def main() -> None:
             torch.manual_seed(args.seed + it)
             played = {}
             if args.learn in ("tips", "both"):
-                examples, played["tips"] = self_play_examples(model, tok, args.episodes, seed=args.seed + 1000 * it)
+                examples, played["tips"] = self_play_examples(model, tok, args.episodes, seed=args.seed + 1000 * it,
+                                                                signature=signature)
                 own += examples
             if args.learn in ("actions", "both"):
-                examples, played["actions"] = reader_examples(model, tok, seed=args.seed + 1000 * it)
+                examples, played["actions"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
+                                                              signature=signature)
                 own += examples
             for kind in args.foreign:
                 examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
-                                                                      foreign=kind)
+                                                                      foreign=kind, signature=signature)
                 own += examples
             mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,
@@ -104,7 +113,8 @@ def main() -> None:
         rounds.append(played)
         print(json.dumps(played))
     save_cached_checkpoint(model, tok, {"probe_of": str(path), "args": vars(args), "self_play": rounds,
-                                        "prompt_layout": MINISCI_TIPS_LAYOUT}, Path(args.out))
+                                        "prompt_layout": MINISCI_TIPS_LAYOUT, "tip_signature": signature},
+                           Path(args.out))
     print(f"wrote {args.out}")
 
 

@@ -34,6 +34,7 @@ Built on first use (deterministic for a seed), written atomically and cached und
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +47,8 @@ from empo2.prior import CONTEXT, IGNORED, TARGET, BCSettings, behaviour_clone, d
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
-OTHER_VARIATION = "other_variation"
-KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED, OTHER_VARIATION)
+OTHER_VARIATION, OTHER_HOUSE = "other_variation", "other_house"
+KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED, OTHER_VARIATION, OTHER_HOUSE)
 # The prompt layout the prior is trained on, and so runs with (`empo2.config.MINISCI_TIPS_LAYOUT`, recorded in
 # every checkpoint built from it; conf/rollout/whole_chat.yaml, which `model=minisci_tips` selects): the whole
 # chat, each turn keeping the tips its prompt carried (the released code's layout), within one budget that
@@ -77,6 +78,18 @@ class TipPriorSettings(BCSettings):
     # `irrelevant_rate` at 1 about as many episodes are under tips that do not apply as avoid the trap for what
     # a tip says (README, "Labelling with the scripted prior-driven agent").
     other_variation_rate: float = 0.0
+    # Every hindsight tip opens with the words of its task that tell its instance from another of the family
+    # (`Goal: red box, kitchen.`: `Task.signature`), so a reader can tell a tip of its own instance from one of
+    # another house by comparing it with its task. Off in builds up to 6, whose tips carry no such words: there
+    # a tip about another house of the family says what a true tip says (a thing of the task's category, a room,
+    # a won episode) and cannot be told apart before the house is searched (README, "Labelling only tips it can
+    # tell apart"). Costs ~8 tokens per tip.
+    tip_signature: bool = False
+    # Chance per instance of a prior-driven episode under 1-3 tips of another variation of its family, whatever
+    # they name (another house's tips, read as a reader sees them when tips are pooled per task). Needs
+    # `tip_signature`: without it these labels contradict the gold path's under a true tip on prompts that
+    # cannot be told apart. 0 in builds up to 6.
+    other_house_rate: float = 0.0
     lm_weight: float = 0.3  # weight of the context tokens' next-token loss (targets weigh 1)
     batch_size: int = 12  # whole episodes of ~1,000 tokens
     epochs: float = 5.0
@@ -97,13 +110,16 @@ class Episode:
     visited: list[str]  # rooms in the order first entered
     failed_focus: str | None
     score: int
+    signature: str = ""  # the words of its task that tell the instance from another of its family
 
 
-def hindsight_tip(ep: Episode) -> str:
+def hindsight_tip(ep: Episode, signature: bool = False) -> str:
     """The one-line tip an episode supports: where it saw what the house hides, the focus that failed, the
-    score; only what its own observations showed."""
+    score; only what its own observations showed. With `signature`, it opens with the words of its task that
+    tell its instance from another of the family (`TipPriorSettings.tip_signature`)."""
     seen = ", ".join(f"{thing} in the {room}" for thing, room in sorted(ep.sightings.items()))
-    parts = [f"Seen: {seen}." if seen else "Seen: nothing the task needs."]
+    parts = [f"Goal: {ep.signature}."] if signature else []
+    parts.append(f"Seen: {seen}." if seen else "Seen: nothing the task needs.")
     if ep.failed_focus:
         parts.append(f"Focusing on the {ep.failed_focus} failed.")
     parts.append(f"Final score {ep.score}.")
@@ -127,7 +143,7 @@ def play(env, family: str, variation: int, house: dict, actions, max_turns: int 
     `max_turns` steps; with `must_win`, an episode that ends before the cap without winning is an error (a
     planner bug would teach the prior a losing path)."""
     obs, info = env.reset(task=family, variation=variation)
-    ep = Episode(family, variation, house, info["task_description"], [], obs, {}, [], None, 0)
+    ep = Episode(family, variation, house, info["task_description"], [], obs, {}, [], None, 0, env._task.signature)
     _record(env, ep)
     step, score = 0, 0
     while step < max_turns:
@@ -201,11 +217,17 @@ class Instance:
     habit: Episode  # the prior-driven agent, trapped with probability `trap_rate`: the tip-free behaviour
     search: Episode  # a careful agent that knows nothing yet: searches, takes no look-alike
     misled: Episode | None = None  # told a wrong room by `wrong_tip`: goes there first, then searches
-    wrong_tip: str | None = None  # the gold tip with one sought thing moved to another room
+    moved: tuple[str, str] | None = None  # (sought thing, wrong room) of `wrong_tip`
 
     @property
     def episodes(self) -> list[Episode]:
         return [self.gold, self.habit, self.search, *([self.misled] if self.misled else [])]
+
+    def wrong_tip(self, signature: bool = False) -> str:
+        """The gold path's tip with one sought thing moved to another room (`moved`): what the misled agent read."""
+        thing, room = self.moved
+        true = f"{thing} in the {self.gold.sightings[thing]}"
+        return hindsight_tip(self.gold, signature).replace(true, f"{thing} in the {room}")
 
 
 def locates(ep: Episode) -> bool:
@@ -235,13 +257,13 @@ def dev_episodes(settings: TipPriorSettings) -> list[Instance]:
             thing = rng.choice(sorted(gold.sightings))
             room = rng.choice(sorted(set(env._world.rooms) - {gold.sightings[thing], HUB}))
             inst.misled = play(env, *key, scripted(rng, first_room=room), cap, must_win=True)
-            inst.wrong_tip = hindsight_tip(gold).replace(f"{thing} in the {gold.sightings[thing]}",
-                                                         f"{thing} in the {room}")
+            inst.moved = thing, room
         out.append(inst)
     return out
 
 
-def episode_sequence(builder, ep: Episode, tips: list[str] | None) -> tuple[list[int], list[int]]:
+def episode_sequence(builder, ep: Episode, tips: list[str] | None,
+                     signature: bool = False) -> tuple[list[int], list[int]]:
     """(ids, kinds) of one whole episode as the collector shows it with `tips` in every turn: the tip request
     chat, then the hindsight tip, actions and tip as TARGETs. Each step's prompt is a prefix of this chat, so
     one sequence trains every action and the tip at once; the prefix property is checked, not assumed."""
@@ -260,7 +282,7 @@ def episode_sequence(builder, ep: Episode, tips: list[str] | None) -> tuple[list
             raise RuntimeError("a step's prompt is not a prefix of the episode chat: this chat template or prompt "
                                "budget cannot train a whole episode in one sequence")
         kinds[len(prompt):len(prompt) + len(ids)] = [TARGET] * len(ids)
-    tip = target(hindsight_tip(ep))
+    tip = target(hindsight_tip(ep, signature))
     return chat + tip, kinds + [TARGET] * len(tip)
 
 
@@ -277,53 +299,66 @@ def training_sequences(builder, data: list[Instance],
       nothing about this house: a reader acts as without them;
     - MISLED (`misled_rate`): the path that trusts a wrong tip (goes to the room it names) and then searches;
     - OTHER_VARIATION (`other_variation_rate`): the prior-driven episode again, under 1-3 tips of one instance of
-      another variation of the family that name nothing of this task (no sought thing, no look-alike).
+      another variation of the family that name nothing of this task (no sought thing, no look-alike);
+    - OTHER_HOUSE (`other_house_rate`, with `tip_signature`): the prior-driven episode again, under 1-3 tips of
+      one instance of another variation of the family, whatever they name: their signature is not its task's.
     """
+    if settings.other_house_rate and not settings.tip_signature:
+        raise ValueError("other_house_rate needs tip_signature: without it another house's tips read as its own, "
+                         "and their labels contradict the gold path's")
+    sig = settings.tip_signature
     rng = random.Random(settings.seed + 1)
     tips_by_family: dict[str, list[str]] = {}
     for inst in data:
-        tips_by_family.setdefault(inst.gold.family, []).extend(hindsight_tip(e) for e in inst.episodes)
+        tips_by_family.setdefault(inst.gold.family, []).extend(hindsight_tip(e, sig) for e in inst.episodes)
     foreign_by_family = {family: [t for f, tips in sorted(tips_by_family.items()) if f != family for t in tips]
                          for family in tips_by_family}
     out = []
     for inst in data:
         family = inst.gold.family
         locating = [e for e in (inst.gold, inst.search) if locates(e)]
-        own = [hindsight_tip(rng.choice(locating))]
-        others = sorted({hindsight_tip(e) for e in (inst.gold, inst.habit, inst.search)} - {own[0]})
+        own = [hindsight_tip(rng.choice(locating), sig)]
+        others = sorted({hindsight_tip(e, sig) for e in (inst.gold, inst.habit, inst.search)} - {own[0]})
         own += rng.sample(others, min(rng.randint(*settings.tips_per_prompt) - 1, len(others)))
         rng.shuffle(own)
-        out.append((TIP_FREE, *episode_sequence(builder, inst.habit, None)))
-        out.append((LOCATED, *episode_sequence(builder, inst.gold, own)))
+        out.append((TIP_FREE, *episode_sequence(builder, inst.habit, None, sig)))
+        out.append((LOCATED, *episode_sequence(builder, inst.gold, own, sig)))
         if not locates(inst.habit):
-            out.append((SEARCH, *episode_sequence(builder, inst.search, [hindsight_tip(inst.habit)])))
+            out.append((SEARCH, *episode_sequence(builder, inst.search, [hindsight_tip(inst.habit, sig)], sig)))
         foreign = foreign_by_family[family]
         if rng.random() < settings.irrelevant_rate and foreign:  # (a one-family subset of the data has none)
             tips = rng.sample(foreign, min(rng.randint(*settings.tips_per_prompt), len(foreign)))
-            out.append((IRRELEVANT, *episode_sequence(builder, inst.habit, tips)))
+            out.append((IRRELEVANT, *episode_sequence(builder, inst.habit, tips, sig)))
         if inst.misled:
-            out.append((MISLED, *episode_sequence(builder, inst.misled, [inst.wrong_tip])))
+            out.append((MISLED, *episode_sequence(builder, inst.misled, [inst.wrong_tip(sig)], sig)))
         if settings.other_variation_rate and rng.random() < settings.other_variation_rate:  # (no draw at 0: builds
             # up to 5 keep their sequences)
-            tips = _other_variation_tips(inst, data, rng, settings.tips_per_prompt)
+            tips = _other_variation_tips(inst, data, rng, settings.tips_per_prompt, sig)
             if tips:
-                out.append((OTHER_VARIATION, *episode_sequence(builder, inst.habit, tips)))
+                out.append((OTHER_VARIATION, *episode_sequence(builder, inst.habit, tips, sig)))
+        if settings.other_house_rate and rng.random() < settings.other_house_rate:  # (no draw at 0, as above)
+            tips = _other_variation_tips(inst, data, rng, settings.tips_per_prompt, sig, names_nothing=False)
+            if tips:
+                out.append((OTHER_HOUSE, *episode_sequence(builder, inst.habit, tips, sig)))
     return out
 
 
 def _other_variation_tips(inst: Instance, data: list[Instance], rng: random.Random,
-                          per_prompt: tuple[int, int]) -> list[str]:
-    """`per_prompt` (1-3) hindsight tips of one instance of `inst`'s family and another variation that name no
-    thing of `inst`'s task (a variation's look-alike is another's sought thing: a tip naming it would apply here)."""
+                          per_prompt: tuple[int, int], signature: bool, names_nothing: bool = True) -> list[str]:
+    """`per_prompt` (1-3) hindsight tips of one instance of `inst`'s family and another variation; with
+    `names_nothing` only those that name no thing of `inst`'s task (a variation's look-alike is another's sought
+    thing: a tip naming it would apply here), else any, of an instance whose task's signature is not `inst`'s."""
     from empo2.envs.minisci.env import build
     from empo2.envs.minisci.layout import Difficulty
 
     g = inst.gold
     task = build(g.family, g.variation, Difficulty(**g.house))[1]
     names = (*task.sought, *task.lookalikes)
-    donors = [d for d in data if d.gold.family == g.family and d.gold.variation != g.variation]
+    donors = [d for d in data if d.gold.family == g.family and d.gold.variation != g.variation
+              and (names_nothing or d.gold.signature != g.signature)]  # (a shared signature would read as its own)
     for donor in rng.sample(donors, min(3, len(donors))):  # the first with such tips, of three at most
-        tips = sorted({t for t in map(hindsight_tip, donor.episodes) if not any(n in t for n in names)})
+        tips = sorted({t for t in (hindsight_tip(e, signature) for e in donor.episodes)
+                       if not (names_nothing and any(n in t for n in names))})
         if tips:
             return rng.sample(tips, min(rng.randint(*per_prompt), len(tips)))
     return []
@@ -346,8 +381,8 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
     data = dev_episodes(settings)
     episodes = [e for inst in data for e in inst.episodes]
     corpus = [DEFAULT_SYSTEM_PROMPT, tip_request_message()["content"], TIP_HEADER]
-    corpus += [e.task for e in episodes] + [hindsight_tip(e) for e in episodes]
-    corpus += [inst.wrong_tip for inst in data if inst.wrong_tip]
+    corpus += [e.task for e in episodes] + [hindsight_tip(e, settings.tip_signature) for e in episodes]
+    corpus += [inst.wrong_tip(settings.tip_signature) for inst in data if inst.moved]
     corpus += [text for e in episodes for pair in e.turns for text in pair]
     tok = build_bpe_tokenizer(corpus, settings.vocab_size)
     sequences = training_sequences(prompt_builder(tok), data, settings)
@@ -368,6 +403,15 @@ def ensure_minisci_tips(settings: TipPriorSettings | None = None, log=print):
     """Path of the cached model, building it on first use."""
     return ensure_cached("minisci-tips", settings or TipPriorSettings(), build_minisci_tips, log,
                          source={"prompt_layout": MINISCI_TIPS_LAYOUT})
+
+
+def tips_signed(path) -> bool:
+    """Whether the checkpoint at `path` was trained on tips that open with their task's signature
+    (`TipPriorSettings.tip_signature`, recorded in its `empo2_source.json` by a build or a probe): its own tips
+    are then labelled, and scripted tips for it written, the same way."""
+    source = Path(path) / "empo2_source.json"
+    record = json.loads(source.read_text()) if source.is_file() else {}
+    return bool(record.get("tip_signature", record.get("settings", {}).get("tip_signature", False)))
 
 
 def cached_prior(settings: TipPriorSettings, start=None):
@@ -457,7 +501,7 @@ def replay(env, family: str, variation: int, house: dict, traj, tok, max_turns: 
 
 
 def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: int = 10,
-                       variations_per_family: int | None = None, seed: int = 0,
+                       variations_per_family: int | None = None, seed: int = 0, signature: bool = False,
                        log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """(ids, kinds) per episode the model plays on a dev variation (`_own_play`): its own tip request, then, as
     the target, the hindsight tip of that episode, labelled by replaying its actions in the same house (build-time
@@ -479,7 +523,7 @@ def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: in
                 if ep is None:
                     stats["unreplayable"] += 1
                     continue
-                tip = hindsight_tip(ep)
+                tip = hindsight_tip(ep, signature)
                 stats["episodes"] += 1
                 stats["score"] += ep.score
                 stats["tips_exact"] += traj.tip == tip
@@ -544,7 +588,8 @@ def outside_category(chunk) -> Callable[[int, int], bool]:
 
 
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
-                    foreign: str | None = None, log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+                    foreign: str | None = None, signature: bool = False,
+                    log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader): each dev instance
     (`_own_play`) is played once through the collector with a memory holding scripted episodes' hindsight tips,
     keyed as the collector keys its own; every example is the collector's own prompt at a state its episode
@@ -582,7 +627,7 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             gold = play(env, family, variation, house, env.gold_actions(), max_turns)
             others = [play(env, family, variation, house, scripted(rng, trap=trap), max_turns)
                       for trap in (True, False)]
-            tips = [(hindsight_tip(ep), collector._key_text(env, ep.turns, ep.final_obs), ep.score)
+            tips = [(hindsight_tip(ep, signature), collector._key_text(env, ep.turns, ep.final_obs), ep.score)
                     for ep in (gold, *others)]
             played.append(tips)
             own_tips.append([tips[0], *rng.sample(tips[1:], rng.randint(0, 2))])

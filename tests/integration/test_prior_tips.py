@@ -10,7 +10,7 @@ import torch
 
 from empo2.config import MINISCI_TIPS_LAYOUT, ConfigError, load_config
 from empo2.envs import make_env
-from empo2.envs.minisci import catalogue
+from empo2.envs.minisci import FAMILIES, catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
@@ -21,6 +21,7 @@ from empo2.prior_tips import (
     IRRELEVANT,
     LOCATED,
     MISLED,
+    OTHER_HOUSE,
     OTHER_VARIATION,
     SEARCH,
     TIP_FREE,
@@ -38,6 +39,7 @@ from empo2.prior_tips import (
     reader_examples,
     replay,
     self_play_examples,
+    tips_signed,
     training_sequences,
 )
 from empo2.rollout.prompts import PromptBuilder
@@ -111,7 +113,7 @@ def test_hindsight_tips_state_only_what_the_episode_observed(data):
                 assert f"focus on {ep.failed_focus}" in [a for _, a in ep.turns]
 
 
-def _check_sequence(builder, ids, kinds, ep, tips):
+def _check_sequence(builder, ids, kinds, ep, tips, signature=False):
     """`ids` is `ep`'s tip request chat with `tips` in every turn (the collector's own block, the same in each
     turn) plus its hindsight tip; each step's prompt, as the collector builds it, is a prefix of it, followed by
     the action and end of turn as TARGETs, and nothing else is a target but the tip."""
@@ -130,7 +132,7 @@ def _check_sequence(builder, ids, kinds, ep, tips):
         assert kinds[len(prompt):len(prompt) + len(target)] == [TARGET] * len(target)
     request = builder.build_tip_request(ep.task, ep.turns, ep.final_obs,
                                         history_tips=[tips] * len(ep.turns) if tips else None)
-    assert ids[:len(request)] == request and tok.decode(ids[len(request):-1]) == hindsight_tip(ep)
+    assert ids[:len(request)] == request and tok.decode(ids[len(request):-1]) == hindsight_tip(ep, signature)
     assert kinds[len(request):] == [TARGET] * (len(ids) - len(request)) and ids[-1] == eos
     assert kinds.count(TARGET) == len(ids) - len(request) + sum(
         len(tok.encode(a, add_special_tokens=False)) + 1 for _, a in ep.turns)
@@ -178,7 +180,7 @@ def test_each_episode_is_labelled_with_what_a_reader_of_its_tips_does(data, buil
             kind, ids, kinds = next(sequences, (None, None, None))
         if inst.misled:
             assert kind == MISLED
-            _check_sequence(builder, ids, kinds, inst.misled, [inst.wrong_tip])
+            _check_sequence(builder, ids, kinds, inst.misled, [inst.wrong_tip()])
         else:
             sequences = iter([(kind, ids, kinds), *sequences])  # not this instance's: put it back
     assert next(sequences, (None,))[0] is None
@@ -211,6 +213,62 @@ def test_other_variations_tips_name_nothing_of_the_task_and_leave_the_prior_driv
     assert checked >= 20
 
 
+def test_a_tasks_signature_is_words_of_its_description_that_tell_its_instances_apart():
+    for family in FAMILIES:
+        signatures = set()
+        for variation in range(12):
+            task = build(family, variation, Difficulty(num_rooms=4, num_decoys=1, num_distractors=1))[1]
+            assert task.signature and all(part in task.description for part in task.signature.split(", "))
+            signatures.add(task.signature)
+        assert len(signatures) >= 3, family  # (mix-paint makes one of 3 colours: its description tells no more)
+
+
+def test_signed_tips_open_with_the_signature_and_another_houses_tips_leave_the_prior_driven_episode(data, builder):
+    """With `tip_signature` every tip, as target and in a prompt, is the unsigned one after `Goal: <signature>.`;
+    OTHER_HOUSE (`other_house_rate`) is the prior-driven episode under 1-3 tips of one instance of another
+    variation of the family whose signature is not this task's, naming what they name; without signatures such
+    tips would read as the instance's own, so the setting is refused."""
+    insts = [inst for inst in data if inst.gold.family == "find-living-thing"][:30]
+    with pytest.raises(ValueError, match="other_house_rate needs tip_signature"):
+        training_sequences(builder, insts, dataclasses.replace(SMALL, other_house_rate=1.0))
+    for ep in insts[0].episodes:
+        assert hindsight_tip(ep, True) == f"Goal: {ep.signature}. {hindsight_tip(ep)}"
+    assert not any(kind == OTHER_HOUSE for kind, _, _ in training_sequences(builder, insts, SMALL))
+    on = training_sequences(builder, insts, dataclasses.replace(SMALL, tip_signature=True, other_house_rate=1.0))
+    checked, naming, current = 0, 0, iter(insts)
+    for kind, ids, kinds in on:  # each instance's sequences begin with its TIP_FREE one
+        if kind == TIP_FREE:
+            inst = next(current)
+        tips = _tips_of(builder, ids) or []
+        assert all(tip.startswith("Goal: ") for tip in tips)
+        own = f"Goal: {inst.gold.signature}."
+        if kind == LOCATED:
+            assert all(tip.startswith(own) for tip in tips)
+        if kind != OTHER_HOUSE:
+            continue
+        assert 1 <= len(tips) <= 3 and not any(tip.startswith(own) for tip in tips)
+        donors = {hindsight_tip(e, True) for other in data if other.gold.family == inst.gold.family
+                  and other.gold.variation != inst.gold.variation for e in other.episodes}
+        assert set(tips) <= donors
+        task = build(inst.gold.family, inst.gold.variation, Difficulty(**inst.gold.house))[1]
+        naming += any(thing in tip for tip in tips for thing in task.candidates)  # reads like a true tip but for
+        # its signature
+        _check_sequence(builder, ids, kinds, inst.habit, tips, signature=True)
+        checked += 1
+    assert checked >= 20 and naming >= checked // 2
+
+
+def test_a_checkpoint_says_whether_its_tips_are_signed(tmp_path, monkeypatch):
+    """Probes and calibration label and write tips as the checkpoint learned them: a build records its settings,
+    a probe its `tip_signature`; a checkpoint without a record is unsigned."""
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))
+    assert tips_signed(ensure_minisci_tips(dataclasses.replace(SMALL, tip_signature=True), log=lambda _: None))
+    assert not tips_signed(tmp_path)
+    (tmp_path / "empo2_source.json").write_text(json.dumps({"probe_of": "x", "tip_signature": True}))
+    assert tips_signed(tmp_path)
+    assert not tips_signed(shipped_reader())
+
+
 def test_a_layout_where_prompts_are_not_prefixes_of_the_chat_is_refused(data, builder):
     windowed = PromptBuilder(builder.tokenizer, max_prompt_tokens=2048, history_turns=1, max_request_tokens=2048)
     gold = next(inst.gold for inst in data if len(inst.gold.turns) > 2)
@@ -228,10 +286,10 @@ def test_acting_on_a_wrong_tip_follows_it_then_recovers(data, builder):
             continue
         gold, misled = inst.gold, inst.misled
         moved = [(thing, room) for thing, room in gold.sightings.items() if f"{thing} in the {room}" not in
-                 inst.wrong_tip]
+                 inst.wrong_tip()]
         assert len(moved) == 1
         thing, true_room = moved[0]
-        told = inst.wrong_tip.split(f"{thing} in the ")[1].split(",")[0].split(".")[0]
+        told = inst.wrong_tip().split(f"{thing} in the ")[1].split(",")[0].split(".")[0]
         assert told != true_room and (misled.score == 100 or len(misled.turns) == SMALL.max_turns)
         env = make_env("minisci", max_steps=100, **gold.house)
         env.reset(task=gold.family, variation=gold.variation)
@@ -239,8 +297,8 @@ def test_acting_on_a_wrong_tip_follows_it_then_recovers(data, builder):
         plan.go(told)
         actions = [a for _, a in misled.turns]
         assert actions[:len(plan.actions)] == plan.actions  # straight to the room the tip names
-        prompt = builder.build(gold.task, [], misled.turns[0][0], [inst.wrong_tip])
-        assert prompt.has_tips and builder.tokenizer.decode(prompt.ids).count(inst.wrong_tip) == 1
+        prompt = builder.build(gold.task, [], misled.turns[0][0], [inst.wrong_tip()])
+        assert prompt.has_tips and builder.tokenizer.decode(prompt.ids).count(inst.wrong_tip()) == 1
         checked += 1
     assert checked >= 10
 

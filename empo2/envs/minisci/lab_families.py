@@ -55,6 +55,10 @@ class MeasureTask(Task):
         super().__init__(description, (THERMOMETER, substance), sought=(THERMOMETER,))
         self.substance, self.room, self.answer = substance, room, answer
 
+    @property
+    def signature(self) -> str:
+        return f"{self.substance}, {self.room}"
+
     def accepts_focus(self, world: World, name: str) -> bool:
         """Focus order: thermometer, substance, then the answer box, which counts only once the
         substance was measured (an unmeasured answer is a guess)."""
@@ -126,6 +130,10 @@ class MixTask(Task):
     def __init__(self, description: str, paints: tuple[str, ...], product: str) -> None:
         super().__init__(description, (*paints, BOWL, product), sought=(*paints, BOWL))
         self.paints, self.product = paints, product
+
+    @property
+    def signature(self) -> str:
+        return self.product
 
     def accepts_focus(self, world: World, name: str) -> bool:
         return name == self.product
@@ -218,6 +226,10 @@ class ChangeStateTask(Task):
         self.appliance = "freezer" if goal == "freeze" else "stove"
         super().__init__(description, (substance, self.appliance), sought=(substance,))
         self.substance, self.goal = substance, goal
+
+    @property
+    def signature(self) -> str:
+        return f"{self.goal} {self.substance}"
 
     def accepts_focus(self, world: World, name: str) -> bool:
         return name == self.substance

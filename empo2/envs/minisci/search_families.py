@@ -80,6 +80,10 @@ class FindTask(Task):
         self.target, self.box, self.box_room = target, box, box_room
         self.obvious_room = obvious_room  # where the look-alikes wait and the target never is
 
+    @property
+    def signature(self) -> str:
+        return f"{self.box}, {self.box_room}"
+
     def accepts_focus(self, world: World, name: str) -> bool:
         return name == self.target
 
@@ -140,6 +144,10 @@ class PowerTask(Task):
     def __init__(self, description: str, component: str) -> None:
         super().__init__(description, (component, BATTERY, *WIRES), sought=(BATTERY,))
         self.component = component
+
+    @property
+    def signature(self) -> str:
+        return self.component
 
     def accepts_focus(self, world: World, name: str) -> bool:
         return name == self.component

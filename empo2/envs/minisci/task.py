@@ -26,6 +26,13 @@ class Task:
         # the room a prior points to: build-time knowledge for scripted agents, never shown to a policy
         self.lookalikes: tuple[str, ...] = ()
 
+    @property
+    def signature(self) -> str:
+        """The words of the description that tell this instance from another of its family (which box, which
+        component...): what a hindsight tip may repeat so that a reader can tell its own instance's tips from
+        another's by comparing them with its task (`TipPriorSettings.tip_signature`)."""
+        raise NotImplementedError
+
     @classmethod
     def build(cls, rng: random.Random, difficulty: Difficulty) -> tuple[World, Task]:
         """The house of one variation, with the agent placed, and the task instance set in it."""
