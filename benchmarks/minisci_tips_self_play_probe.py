@@ -52,8 +52,9 @@ def main() -> None:
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
     ap.add_argument("--setting", nargs="+", default=[], metavar="KEY=VALUE",
-                    help="TipPriorSettings fields of the stage-1 sequences mixed in (with --start: a prior built with "
-                         "other settings is not needed), e.g. irrelevant_rate=1 other_variation_rate=1")
+                    help="TipPriorSettings fields (numbers; booleans as 0 or 1) of the stage-1 sequences mixed in (with"
+                         " --start: a prior built with other settings is not needed), e.g. irrelevant_rate=1 "
+                         "tip_signature=1; with --start, tip_signature defaults to the checkpoint's")
     ap.add_argument("--episodes", type=int, default=3, help="episodes per dev instance, one after another")
     ap.add_argument("--replay", type=float, default=1.0, help="stage-1 sequences mixed in per self-played one")
     ap.add_argument("--epochs", type=float, default=3.0, help="over the examples of each fine-tuning round")
