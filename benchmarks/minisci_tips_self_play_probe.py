@@ -14,7 +14,8 @@ the expert's action there (`empo2.prior_tips.reader_examples`: DAgger for the re
 in each round. With `--foreign house` (`task`) each round also plays every dev instance under the tips of another
 instance of its family (of another family; `category`: of its family, whose target its task's category does not
 admit) and labels each state it reaches with the action it samples itself
-from the tip-free prompt there (`reader_examples(foreign=...)`: tips that do not apply should change nothing);
+from the tip-free prompt there (`reader_examples(foreign=...)`: tips that do not apply should change nothing;
+with `--distill`, the tip-free prompt's whole next-token distribution along that action);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
 
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--foreign", nargs="+", choices=("house", "category", "task"), default=[],
                     help="also learn to act as without tips under another house's or another task's tips, or "
                          "another house's whose thing the task's category does not admit (see reader_examples)")
+    ap.add_argument("--distill", action="store_true",
+                    help="under --foreign tips, learn the tip-free prompt's whole next-token distribution along the "
+                         "sampled action (KL to the tip-free policy) rather than the sampled action alone")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
@@ -64,6 +68,8 @@ def main() -> None:
                                                   "of the cached prior; its self-play examples are not carried over")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.distill and not args.foreign:
+        ap.error("--distill labels the states under --foreign tips; give --foreign too")
     torch.set_num_threads(2)
     fields = {f.name: f.type for f in dataclasses.fields(TipPriorSettings)}
     changes = {}
@@ -105,7 +111,8 @@ def main() -> None:
                 own += examples
             for kind in args.foreign:
                 examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
-                                                                      foreign=kind, signature=signature)
+                                                                      foreign=kind, signature=signature,
+                                                                      distill=args.distill)
                 own += examples
             mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,

@@ -92,7 +92,9 @@ def gold_episodes(settings: BCSettings) -> list[tuple[str, list[tuple[str, str]]
 
 # What the loss does with the token at each position of a training sequence: predict it as a target, predict
 # it as context with weight `lm_weight` (dense next-token signal, as pretraining gives an LLM), or skip it.
-CONTEXT, TARGET, IGNORED = 0, 1, -1
+# A SOFT target is learned as a whole next-token distribution (distillation): its example is (ids, kinds, probs)
+# with probs (number of SOFT positions, V), one row per SOFT position in order; others are (ids, kinds).
+CONTEXT, TARGET, IGNORED, SOFT = 0, 1, -1, 2
 _PAD = -2
 
 
@@ -115,23 +117,31 @@ def clone_examples(builder, episodes) -> list[tuple[list[int], list[int]]]:
 
 def _batch(examples, pad_id: int):
     """Right-padded (input_ids, attention_mask, kinds); padded positions have kind `_PAD`."""
-    width = max(len(ids) for ids, _ in examples)
+    width = max(len(ex[0]) for ex in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # (B, T)
     kinds = torch.full_like(ids, _PAD)
-    for i, (seq, k) in enumerate(examples):
+    for i, (seq, k, *_) in enumerate(examples):
         ids[i, :len(seq)] = torch.tensor(seq)
         kinds[i, :len(seq)] = torch.tensor(k)
     return ids, (kinds != _PAD).long(), kinds
 
 
-def clone_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor, lm_weight: float = 0.0):
-    """Mean NLL of the TARGET tokens + `lm_weight` x mean NLL of the CONTEXT tokens; returns (loss, target NLL).
+def clone_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor, lm_weight: float = 0.0,
+               soft: torch.Tensor | None = None):
+    """Mean over the TARGET and SOFT tokens of their cross-entropy + `lm_weight` x mean NLL of the CONTEXT tokens;
+    returns (loss, that target mean). A TARGET token's is its NLL; a SOFT token's is -sum_v p(v) log q(v) with p its
+    row of `soft` ((number of SOFT positions, V), rows in row-major order of the positions), which exceeds
+    KL(p || q) by p's entropy, so its gradient is the distillation gradient.
 
     logits (B, T, V) predict ids[:, t + 1] at position t, so the first token of a sequence is never scored.
     """
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
     kind = kinds[:, 1:]
-    target = nll[kind == TARGET].mean()
+    scored = nll[kind == TARGET]
+    if soft is not None:
+        log_q = torch.log_softmax(logits[:, :-1][kind == SOFT], dim=-1)  # (number of SOFT positions, V)
+        scored = torch.cat([scored, -(soft * log_q).sum(-1)])
+    target = scored.mean()
     context = nll[kind == CONTEXT]  # (a batch of sequences whose context is all IGNORED has none)
     loss = target + lm_weight * context.mean() if lm_weight and context.numel() else target
     return loss, target.detach()
@@ -154,10 +164,11 @@ def _epoch_order(rng: random.Random, lengths: list[int], batch_size: int, by_len
 
 def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc",
                     by_length: bool = False, lm_weight: float = 0.0) -> dict:
-    """`clone_loss` over (ids, kinds) sequences, AdamW with a cosine schedule; returns training stats.
+    """`clone_loss` over (ids, kinds) or (ids, kinds, probs) sequences, AdamW with a cosine schedule; returns
+    training stats.
     `by_length` batches sequences of similar length together (worth it when lengths spread widely)."""
     rng = random.Random(settings.seed)
-    lengths = [len(ids) for ids, _ in examples]
+    lengths = [len(ex[0]) for ex in examples]
     steps = max(1, math.ceil(settings.epochs * len(examples) / settings.batch_size))
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -169,9 +180,11 @@ def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=prin
             order += _epoch_order(rng, lengths, settings.batch_size, by_length)
         batch, order = [examples[i] for i in order[: settings.batch_size]], order[settings.batch_size:]
         ids, _, kinds = _batch(batch, pad_id)
+        soft = [ex[2] for ex in batch if len(ex) > 2]
         # No attention mask: padding is on the right and attention is causal, so no real position ever sees a
         # pad token, and the unmasked causal kernel skips the masked half of the attention (~30% per step).
-        loss, target_nll = clone_loss(model(input_ids=ids).logits, ids, kinds, lm_weight)
+        loss, target_nll = clone_loss(model(input_ids=ids).logits, ids, kinds, lm_weight,
+                                      torch.cat(soft) if soft else None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

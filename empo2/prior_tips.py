@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from empo2.config import MINISCI_TIPS_LAYOUT
-from empo2.prior import CONTEXT, IGNORED, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
+from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
@@ -587,8 +587,27 @@ def outside_category(chunk) -> Callable[[int, int], bool]:
                          and tasks[j].target not in tasks[i].candidates)
 
 
+@torch.no_grad()
+def next_token_distributions(model, prompts: list[list[int]], targets: list[list[int]],
+                             batch_size: int = 16) -> list[torch.Tensor]:
+    """Per (prompt, target) pair, the model's next-token distribution (softmax of its logits: temperature 1, no
+    top-p, so that matching it matches the policy under any sampling settings) at each token of the target, given
+    the prompt and the target's earlier tokens: (len(target), V) each. Right-padded batches without a mask, as
+    in `behaviour_clone`: attention is causal, so no real position sees a pad."""
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        seqs = [p + t for p, t in zip(prompts[start:start + batch_size], targets[start:start + batch_size])]
+        ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)  # (B, T)
+        for i, seq in enumerate(seqs):
+            ids[i, :len(seq)] = torch.tensor(seq)
+        probs = torch.softmax(model(input_ids=ids).logits.float(), dim=-1)  # (B, T, V)
+        for i, (p, t) in enumerate(zip(prompts[start:start + batch_size], targets[start:start + batch_size])):
+            out.append(probs[i, len(p) - 1:len(p) - 1 + len(t)].clone())  # position k predicts token k + 1
+    return out
+
+
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
-                    foreign: str | None = None, signature: bool = False,
+                    foreign: str | None = None, signature: bool = False, distill: bool = False,
                     log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader): each dev instance
     (`_own_play`) is played once through the collector with a memory holding scripted episodes' hindsight tips,
@@ -606,7 +625,9 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
       path's tip, so retrieval finds them as it would its own; the instances are shuffled so that every chunk
       holds every family). Every state reached is labelled with the action the model itself samples from the
       tip-free prompt of that state (the same history with every tip block cut out): the tip-free policy distilled into
-      prompts whose tips do not apply, so that it learns to use what a tip says, not that a tip is there.
+      prompts whose tips do not apply, so that it learns to use what a tip says, not that a tip is there. With
+      `distill` the label is the whole next-token distribution of the tip-free prompt along that sampled action
+      (SOFT targets, `next_token_distributions`): the same target in expectation, without one sample's noise.
     - `foreign="category"`: as "house", with only the houses whose target the task's category does not admit
       (`outside_category`; find-living-thing only, other families borrow none)."""
     from empo2.memory import TipMemory
@@ -619,6 +640,9 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
     eos = tok.eos_token_id
     if foreign not in (None, "house", "category", "task"):
         raise ValueError(f"foreign must be None, 'house', 'category' or 'task', got {foreign!r}")
+    if distill and not foreign:
+        raise ValueError("distill labels states under another instance's tips (foreign); the expert's labels under "
+                         "the instance's own tips are single actions")
     for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns, variations_per_family,
                                                                          seed, shuffle=foreign == "task"):
         played, own_tips = [], []  # per instance: (tip, key text, score) of its scripted episodes; the gold set
@@ -662,12 +686,17 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
             gens = collector.engine.generate([tip_free for _, _, tip_free in states], params,
                                              seed=collector._seed(generator))
+            tip_free = [tip_free for _, _, tip_free in states]
             states = [(prompt, action, gen.text.strip()) for (prompt, action, _), gen in zip(states, gens)]
-        for prompt, action, label in states:
+        targets = [tok.encode(label, add_special_tokens=False) + [eos] for _, _, label in states]
+        soft = next_token_distributions(model, tip_free, targets) if distill and states else None
+        for i, ((prompt, action, label), target) in enumerate(zip(states, targets)):
             stats["states"] += 1
             stats["agreed"] += action == label
-            target = tok.encode(label, add_special_tokens=False) + [eos]
-            examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
+            if soft is None:
+                examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
+            else:
+                examples.append((prompt + target, [IGNORED] * len(prompt) + [SOFT] * len(target), soft[i]))
         under = f" (another {foreign}'s tips)" if foreign else ""
         log(f"reader{under}: {done}/{total} instances, score "
             f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states")

@@ -12,6 +12,7 @@ from empo2.models import _load_local, build_bpe_tokenizer, build_tiny_model
 from empo2.prior import (
     CONTEXT,
     IGNORED,
+    SOFT,
     TARGET,
     BCSettings,
     _batch,
@@ -92,6 +93,38 @@ def test_clone_loss_against_hand_computed_values():
     no_context = torch.where(kinds == CONTEXT, torch.full_like(kinds, IGNORED), kinds)
     loss, target = clone_loss(logits, ids, no_context, lm_weight=0.5)
     assert loss.item() == pytest.approx((hit + flat) / 2) and target.item() == pytest.approx((hit + flat) / 2)
+
+
+def test_soft_targets_are_cross_entropy_to_their_distribution_and_its_gradient_is_q_minus_p():
+    """A SOFT position scores -sum p log q against its row of `soft`: a one-hot row is the TARGET NLL of that
+    token; a row equal to the model's own softmax scores its entropy and has zero gradient (the logits' gradient
+    is (q - p) / number scored); SOFT rows are averaged with TARGET tokens, in row-major order of their positions."""
+    ids = torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
+    logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+    hard = torch.tensor([[CONTEXT, TARGET, TARGET, TARGET], [CONTEXT, TARGET, TARGET, -2]])
+    soft_kinds = torch.tensor([[CONTEXT, TARGET, SOFT, SOFT], [CONTEXT, SOFT, TARGET, -2]])
+    one_hot = torch.nn.functional.one_hot(torch.tensor([2, 3, 2]), 4).float()  # rows: (0, 2), (0, 3), (1, 1)
+    assert clone_loss(logits, ids, soft_kinds, soft=one_hot)[1].item() == pytest.approx(
+        clone_loss(logits, ids, hard)[1].item())
+    q = torch.softmax(logits[:, :-1], dim=-1)  # (B, T-1, V): position t predicts token t + 1
+    own = torch.stack([q[0, 1], q[0, 2], q[1, 0]])
+    nll_target = [-math.log(q[0, 0, 1].item()), -math.log(q[1, 1, 1].item())]
+    entropy = [-(r * r.log()).sum().item() for r in own]
+    leaf = logits.clone().requires_grad_(True)
+    loss, _ = clone_loss(leaf, ids, soft_kinds, soft=own)
+    assert loss.item() == pytest.approx((sum(nll_target) + sum(entropy)) / 5, rel=1e-5)
+    loss.backward()
+    assert torch.allclose(leaf.grad[0, 2], torch.zeros(4), atol=1e-6)  # a SOFT position at its own distribution
+    expected = (q[0, 0] - torch.nn.functional.one_hot(torch.tensor(1), 4)) / 5  # a TARGET position: (q - p) / 5
+    assert torch.allclose(leaf.grad[0, 0], expected, atol=1e-6)
+    # a batch with a distilled example trains through behaviour_clone beside hard ones
+    model = build_tiny_model(build_bpe_tokenizer(["a b c d e f"], 270), 0, hidden_size=32, num_layers=1,
+                             num_heads=2)
+    probs = torch.softmax(torch.randn(2, model.config.vocab_size), dim=-1)
+    examples = [([5, 6, 7, 8], [CONTEXT, CONTEXT, TARGET, TARGET]),
+                ([5, 6, 7, 9], [IGNORED, IGNORED, SOFT, SOFT], probs)]
+    stats = behaviour_clone(model, examples, BCSettings(epochs=2, batch_size=2), pad_id=0, log=lambda _: None)
+    assert stats["steps"] == 2 and math.isfinite(stats["final_loss"])
 
 
 def test_cloning_fits_a_handful_of_demonstrations(episodes):

@@ -16,7 +16,7 @@ from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.memory.tips import tip_request_message
 from empo2.models import _load_local, build_bpe_tokenizer, load_policy, shipped_reader
-from empo2.prior import CONTEXT, IGNORED, TARGET
+from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET
 from empo2.prior_tips import (
     IRRELEVANT,
     LOCATED,
@@ -34,6 +34,7 @@ from empo2.prior_tips import (
     foreign_tips,
     hindsight_tip,
     locates,
+    next_token_distributions,
     outside_category,
     prompt_builder,
     reader_examples,
@@ -508,11 +509,12 @@ def test_another_category_s_tips_name_a_thing_the_task_could_never_accept():
         assert (tips == []) == (i == len(chunk) - 1 or kinds[i] == "a living thing")
 
 
-@pytest.mark.parametrize("kind", ["house", "task"])
+@pytest.mark.parametrize("kind,distill", [("house", False), ("task", False), ("house", True)])
 def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_the_tip_free_prompt(
-        small_policy, monkeypatch, kind):
+        small_policy, monkeypatch, kind, distill):
     """One example per state reached with tips in the prompt: that prompt (IGNORED), then the action the policy
-    generated from the same prompt with every tip block cut out, and end of turn (TARGET)."""
+    generated from the same prompt with every tip block cut out, and end of turn (TARGET); with `distill`, the
+    same tokens as SOFT targets carrying the tip-free prompt's next-token distribution at each."""
     import re
 
     import empo2.prior_tips as prior_tips
@@ -540,16 +542,36 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
 
     monkeypatch.setattr(prior_tips, "_own_play", recorded)
     model, tok = small_policy
-    examples, stats = reader_examples(model, tok, variations_per_family=2, foreign=kind, log=lambda _: None)
+    examples, stats = reader_examples(model, tok, variations_per_family=2, foreign=kind, distill=distill,
+                                      log=lambda _: None)
     tip_free, gens = calls[-1]  # after the episodes: one call over the tip-free prompts of every state
     assert len(examples) == stats["states"] == len(tip_free) >= stats["episodes"] > 0
     block = re.compile(r"\n\n" + re.escape(TIP_HEADER) + r"\n(?:<tip>[^\n]*</tip>\n)+")
-    for (ids, kinds), prompt, gen in zip(examples, tip_free, gens):
-        n = kinds.index(TARGET)
-        assert set(kinds[:n]) == {IGNORED} and kinds[n:] == [TARGET] * (len(ids) - n)
+    label = SOFT if distill else TARGET
+    for (ids, kinds, *probs), prompt, gen in zip(examples, tip_free, gens):
+        n = kinds.index(label)
+        assert set(kinds[:n]) == {IGNORED} and kinds[n:] == [label] * (len(ids) - n) and len(probs) == distill
         text = tok.decode(ids[:n])
         assert TIP_HEADER in text and block.sub("", text) == tok.decode(prompt)
         assert ids[n:] == tok.encode(gen.text.strip(), add_special_tokens=False) + [tok.eos_token_id]
+        if distill:  # the tip-free prompt's distributions, not the prompt with tips
+            assert torch.allclose(probs[0], next_token_distributions(model, [prompt], [ids[n:]])[0], atol=1e-5)
+
+
+def test_next_token_distributions_batched_match_one_by_one_and_a_full_forward(small_policy):
+    """Right-padded batches give each pair what it gets alone (loop vs vectorised), row k is the softmax of the
+    logits that predict target token k, and every row is a distribution."""
+    model, tok = small_policy
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("You see a door.", "Go to the kitchen now, then", "A")]
+    targets = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in ("look around", "wait", "go")]
+    batched = next_token_distributions(model, prompts, targets, batch_size=2)  # two batches, one with padding
+    for p, t, got in zip(prompts, targets, batched):
+        alone = next_token_distributions(model, [p], [t])[0]
+        with torch.no_grad():
+            full = torch.softmax(model(input_ids=torch.tensor([p + t])).logits[0], dim=-1)  # (T, V)
+        assert got.shape == (len(t), model.config.vocab_size)
+        assert torch.allclose(got, alone, atol=1e-5) and torch.allclose(got, full[len(p) - 1:-1], atol=1e-5)
+        assert torch.allclose(got.sum(-1), torch.ones(len(t)), atol=1e-5)
 
 
 def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_ones(tmp_path, monkeypatch):
@@ -570,3 +592,9 @@ def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_one
     cached.mkdir(parents=True)
     (cached / "empo2_source.json").write_text("{}")
     assert prior.ready_path("minisci-tips", SMALL) == cached
+
+
+def test_distilled_labels_are_refused_without_another_instances_tips(small_policy):
+    model, tok = small_policy
+    with pytest.raises(ValueError, match="distill labels states under another instance's tips"):
+        reader_examples(model, tok, variations_per_family=1, distill=True, log=lambda _: None)
