@@ -184,6 +184,32 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
             "seconds": time.perf_counter() - t0}
 
 
+def tip_donors(tasks, seed: int) -> dict:
+    """Per kind of scripted tip, the instance whose episode gives each of `tasks` its tip: its own (`gold`,
+    `trapped`), the next instance of the family (`other_house`), an instance of the next in-distribution family
+    (`other_task`; None for a family outside them)."""
+    from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
+
+    families = [f for f in FAMILIES if f not in OOD_FAMILIES]
+    other = families[(families.index(tasks[0].task) + 1) % len(families)] if tasks[0].task in families else None
+    return {"gold": tasks, "trapped": tasks, "other_house": tasks[1:] + tasks[:1],
+            "other_task": get_catalogue("minisci").sample(len(tasks), "train", seed=seed, tasks=[other])
+            if other else None}
+
+
+def scripted_episode_tip(collector, env, spec, house: dict, name: str, seed: int, signature: bool = False):
+    """(hindsight tip, key text as the collector keys its own, score) of one scripted episode of `spec` in
+    `house`: the gold path's, or with `name` "trapped" the prior-driven agent's (`prior_tips.scripted`)."""
+    import random
+
+    from empo2.prior_tips import hindsight_tip, play, scripted
+
+    env.reset(task=spec.task, variation=spec.variation)
+    actions = env.gold_actions() if name != "trapped" else scripted(random.Random(seed), trap=True)
+    ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
+    return hindsight_tip(ep, signature), collector._key_text(env, ep.turns, ep.final_obs), ep.score
+
+
 def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok, signature: bool = False) -> dict:
     """Whether it acts well on tips it did not write: the score with one scripted episode's hindsight tip per
     instance in memory. `gold`: the gold path's (true, locating everything the task needs); `trapped`: a
@@ -193,33 +219,18 @@ def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok
     `other_house`, the gold path's tip of the next instance of the family (another house: a tip that reads like a
     true one and is wrong here), and `other_task`, the gold path's tip of an instance of another family (about
     another task: nothing in it applies). Per kind also the first moves (`first_moves`)."""
-    import random
-
-    from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
     from empo2.memory import TipMemory
-    from empo2.prior_tips import hindsight_tip, play, scripted
 
-    def episode(spec, name):
-        env.reset(task=spec.task, variation=spec.variation)
-        actions = env.gold_actions() if name != "trapped" else scripted(random.Random(seed), trap=True)
-        ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
-        return hindsight_tip(ep, signature), collector._key_text(env, ep.turns, ep.final_obs), ep.score
-
-    families = [f for f in FAMILIES if f not in OOD_FAMILIES]
-    other = families[(families.index(tasks[0].task) + 1) % len(families)] if tasks[0].task in families else None
-    donors = {"gold": tasks, "trapped": tasks, "other_house": tasks[1:] + tasks[:1],
-              "other_task": get_catalogue("minisci").sample(len(tasks), "train", seed=seed, tasks=[other])
-              if other else None}
     out = {}
-    for name, donor_specs in donors.items():
+    for name, donor_specs in tip_donors(tasks, seed).items():
         if donor_specs is None:
             continue
         memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
         texts, keys, metas = [], [], []
         for spec, donor in zip(tasks, donor_specs):
-            text, key, score = episode(donor, name)
+            text, key, score = scripted_episode_tip(collector, env, donor, house, name, seed, signature)
             if name not in ("gold", "trapped"):
-                key = episode(spec, "gold")[1]
+                key = scripted_episode_tip(collector, env, spec, house, "gold", seed, signature)[1]
             texts.append(text)
             keys.append(key)
             metas.append({"task": spec.task, "variation": spec.variation, "episode_return": score / 100})

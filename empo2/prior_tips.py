@@ -606,6 +606,14 @@ def next_token_distributions(model, prompts: list[list[int]], targets: list[list
     return out
 
 
+def action_log_probs(model, tok, prompt: list[int], actions: list[str]) -> torch.Tensor:
+    """The policy's log-probability of answering `prompt` with each of `actions` (its tokens, then end of turn), by
+    teacher forcing: (len(actions),) float64, summed over tokens (a product of probabilities underflows)."""
+    targets = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in actions]
+    dists = next_token_distributions(model, [prompt] * len(actions), targets)
+    return torch.stack([d[torch.arange(len(t)), torch.tensor(t)].double().log().sum() for d, t in zip(dists, targets)])
+
+
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
                     foreign: str | None = None, signature: bool = False, distill: bool = False,
                     log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:

@@ -27,6 +27,7 @@ from empo2.prior_tips import (
     TIP_FREE,
     TipPriorSettings,
     _own_play,
+    action_log_probs,
     dev_episodes,
     ensure_minisci_tips,
     episode_sequence,
@@ -592,6 +593,22 @@ def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_one
     cached.mkdir(parents=True)
     (cached / "empo2_source.json").write_text("{}")
     assert prior.ready_path("minisci-tips", SMALL) == cached
+
+
+def test_action_log_probs_sum_their_tokens_log_probs(small_policy):
+    """Each action's log-probability is that of its tokens then end of turn, from one full forward of prompt +
+    action; distinct actions' probabilities sum to at most 1."""
+    model, tok = small_policy
+    prompt = tok.encode("You are in the kitchen. You see a green box.", add_special_tokens=False)
+    actions = ["look around", "go to hallway", "focus on green box"]
+    got = action_log_probs(model, tok, prompt, actions)
+    for action, p in zip(actions, got):
+        target = tok.encode(action, add_special_tokens=False) + [tok.eos_token_id]
+        with torch.no_grad():
+            log_q = torch.log_softmax(model(input_ids=torch.tensor([prompt + target])).logits[0], dim=-1)  # (T, V)
+        expected = sum(log_q[len(prompt) - 1 + k, t].item() for k, t in enumerate(target))
+        assert p.item() == pytest.approx(expected, abs=1e-4)
+    assert got.exp().sum().item() <= 1.0 + 1e-6
 
 
 def test_distilled_labels_are_refused_without_another_instances_tips(small_policy):
