@@ -15,7 +15,9 @@ in each round. With `--foreign house` (`task`) each round also plays every dev i
 instance of its family (of another family; `category`: of its family, whose target its task's category does not
 admit) and labels each state it reaches with the action it samples itself
 from the tip-free prompt there (`reader_examples(foreign=...)`: tips that do not apply should change nothing;
-with `--distill`, the tip-free prompt's whole next-token distribution along that action);
+with `--distill`, the tip-free prompt's whole next-token distribution along that action); with `--contrast` each
+state labelled under a locating tip also gets its twin under another house's signed tips, labelled from the
+tip-free prompt (`reader_examples(contrast=True)`: the signature is all that tells the two apart);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
 
@@ -52,6 +54,9 @@ def main() -> None:
     ap.add_argument("--distill", action="store_true",
                     help="under --foreign tips, learn the tip-free prompt's whole next-token distribution along the "
                          "sampled action (KL to the tip-free policy) rather than the sampled action alone")
+    ap.add_argument("--contrast", action="store_true",
+                    help="with --learn actions (or both) and signed tips: each state labelled under the instance's "
+                         "own tips also gets its twin under another house's tips, labelled as under --foreign")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
@@ -68,8 +73,10 @@ def main() -> None:
                                                   "of the cached prior; its self-play examples are not carried over")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.distill and not args.foreign:
-        ap.error("--distill labels the states under --foreign tips; give --foreign too")
+    if args.distill and not (args.foreign or args.contrast):
+        ap.error("--distill labels the states under --foreign tips or --contrast twins; give one of them too")
+    if args.contrast and args.learn == "tips":
+        ap.error("--contrast pairs the states of --learn actions (or both); give one of them")
     torch.set_num_threads(2)
     fields = {f.name: f.type for f in dataclasses.fields(TipPriorSettings)}
     changes = {}
@@ -89,6 +96,9 @@ def main() -> None:
         changes["tip_signature"] = tips_signed(args.start)
     settings = dataclasses.replace(TipPriorSettings(), **changes)
     signature = settings.tip_signature
+    if args.contrast and not signature:
+        raise SystemExit("--contrast needs signed tips (tip_signature): without them a twin's prompt reads like its "
+                         "state's")
     try:
         path, model, tok, sequences = cached_prior(settings, args.start)
     except FileNotFoundError as e:  # not built yet: say so in one line
@@ -107,7 +117,8 @@ def main() -> None:
                 own += examples
             if args.learn in ("actions", "both"):
                 examples, played["actions"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
-                                                              signature=signature)
+                                                              signature=signature, contrast=args.contrast,
+                                                              distill=args.distill and args.contrast)
                 own += examples
             for kind in args.foreign:
                 examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,

@@ -614,9 +614,27 @@ def action_log_probs(model, tok, prompt: list[int], actions: list[str]) -> torch
     return torch.stack([d[torch.arange(len(t)), torch.tensor(t)].double().log().sum() for d, t in zip(dists, targets)])
 
 
+def contrast_twins(collector, env, family: str, variation: int, actions: list[str], tips: list[str]) -> list:
+    """For `reader_examples(contrast=True)`: at each state the first len(actions) steps of an episode reach, the
+    prompt the collector would build there with `tips` in every tip block (the same history, recorded as the
+    collector records it: each action as the env parsed it), and its tip-free prompt: (prompt, None, tip-free)."""
+    obs, info = env.reset(task=family, variation=variation)
+    history: list[tuple[str, str]] = []
+    in_history = collector.settings.tips_in_history
+    twins = []
+    for t, action in enumerate(actions):
+        prompt = collector.builder.build(info["task_description"], history, obs, tips, [tips] * t if in_history
+                                         else None)
+        twins.append((prompt.ids, None, prompt.without_tips()))
+        result = env.step(action)
+        history.append((obs, result.info.get("parsed_action") or action))
+        obs = result.obs
+    return twins
+
+
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
                     foreign: str | None = None, signature: bool = False, distill: bool = False,
-                    log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
+                    contrast: bool = False, log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader): each dev instance
     (`_own_play`) is played once through the collector with a memory holding scripted episodes' hindsight tips,
     keyed as the collector keys its own; every example is the collector's own prompt at a state its episode
@@ -637,20 +655,27 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
       `distill` the label is the whole next-token distribution of the tip-free prompt along that sampled action
       (SOFT targets, `next_token_distributions`): the same target in expectation, without one sample's noise.
     - `foreign="category"`: as "house", with only the houses whose target the task's category does not admit
-      (`outside_category`; find-living-thing only, other families borrow none)."""
+      (`outside_category`; find-living-thing only, other families borrow none).
+    - `contrast` (no `foreign`, signed tips): each state labelled under the instance's own tips also gets a twin,
+      the same history and observation with 1-3 of another house's tips in its tip blocks (`contrast_twins`),
+      labelled from its tip-free prompt as under `foreign` (with `distill` too): two prompts that differ only in
+      whose instance their tips are about, with different labels, so that the signature is what tells them apart."""
     from empo2.memory import TipMemory
     from empo2.rollout.engines.base import SamplingParams
 
     rng = random.Random(seed)
     donor_rng = random.Random(seed + 1)
     generator = torch.Generator().manual_seed(seed)
-    examples, stats = [], {"episodes": 0, "score": 0.0, "states": 0, "agreed": 0}
+    examples, stats = [], {"episodes": 0, "score": 0.0, "states": 0, "agreed": 0, "twins": 0}
     eos = tok.eos_token_id
     if foreign not in (None, "house", "category", "task"):
         raise ValueError(f"foreign must be None, 'house', 'category' or 'task', got {foreign!r}")
-    if distill and not foreign:
-        raise ValueError("distill labels states under another instance's tips (foreign); the expert's labels under "
-                         "the instance's own tips are single actions")
+    if distill and not (foreign or contrast):
+        raise ValueError("distill labels states under another instance's tips (foreign or contrast); the expert's "
+                         "labels under the instance's own tips are single actions")
+    if contrast and (foreign or not signature):
+        raise ValueError("contrast pairs states under the instance's own tips (no foreign) with their twins under "
+                         "another house's, which only signed tips (signature) tell apart")
     for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns, variations_per_family,
                                                                          seed, shuffle=foreign == "task"):
         played, own_tips = [], []  # per instance: (tip, key text, score) of its scripted episodes; the gold set
@@ -678,35 +703,43 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
         collector.settings.write_tips = False
         collector.settings.q = 1.0  # every step with tips also records its tip-free prompt (`train_ids`)
         batch = collector.collect(specs, 1, iteration=0, generator=generator)
-        states = []  # (prompt with tips, the action taken there, label)
-        for (family, variation, _), env, traj in zip(chunk, replay_envs, batch.trajectories):
+        borrowed = foreign_tips(chunk, played, donor_rng) if contrast else [[]] * len(chunk)
+        labelled, pending = [], []  # (prompt with tips, action taken there, label / tip-free prompt to label from)
+        for (family, variation, _), env, traj, twin_tips in zip(chunk, replay_envs, batch.trajectories, borrowed):
             stats["episodes"] += 1
             stats["score"] += traj.score
             actions = _actions(traj, tok)
             if not foreign:
-                states += [(smp.behaviour_ids, a, label) for smp, a, label in
-                           zip(traj.samples, actions, expert_labels(env, family, variation, actions))]
+                labels = expert_labels(env, family, variation, actions)
+                labelled += [(smp.behaviour_ids, a, label) for smp, a, label in zip(traj.samples, actions, labels)]
+                if twin_tips:
+                    pending += contrast_twins(collector, env, family, variation, actions[:len(labels)],
+                                              [text for text, _, _ in twin_tips])
             else:
-                states += [(smp.behaviour_ids, a, smp.train_ids) for smp, a in zip(traj.samples, actions)
-                           if smp.memory]
-        if foreign and states:  # the labels: one sample each from the tip-free prompts
+                pending += [(smp.behaviour_ids, a, smp.train_ids) for smp, a in zip(traj.samples, actions)
+                            if smp.memory]
+        if pending:  # the labels: one sample each from the tip-free prompts
             s = collector.settings
             params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
-            gens = collector.engine.generate([tip_free for _, _, tip_free in states], params,
-                                             seed=collector._seed(generator))
-            tip_free = [tip_free for _, _, tip_free in states]
-            states = [(prompt, action, gen.text.strip()) for (prompt, action, _), gen in zip(states, gens)]
-        targets = [tok.encode(label, add_special_tokens=False) + [eos] for _, _, label in states]
-        soft = next_token_distributions(model, tip_free, targets) if distill and states else None
-        for i, ((prompt, action, label), target) in enumerate(zip(states, targets)):
-            stats["states"] += 1
-            stats["agreed"] += action == label
-            if soft is None:
+            tip_free = [tip_free for _, _, tip_free in pending]
+            gens = collector.engine.generate(tip_free, params, seed=collector._seed(generator))
+            pending = [(prompt, action, gen.text.strip()) for (prompt, action, _), gen in zip(pending, gens)]
+            targets = [tok.encode(label, add_special_tokens=False) + [eos] for _, _, label in pending]
+            soft = next_token_distributions(model, tip_free, targets) if distill else [None] * len(pending)
+            pending = [(*state, probs) for state, probs in zip(pending, soft)]
+        stats["twins"] += len(pending) * contrast
+        for prompt, action, label, *probs in labelled + pending:
+            target = tok.encode(label, add_special_tokens=False) + [eos]
+            if action is not None:  # (a twin's state was reached under the instance's own tips)
+                stats["states"] += 1
+                stats["agreed"] += action == label
+            if not probs or probs[0] is None:
                 examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
             else:
-                examples.append((prompt + target, [IGNORED] * len(prompt) + [SOFT] * len(target), soft[i]))
+                examples.append((prompt + target, [IGNORED] * len(prompt) + [SOFT] * len(target), probs[0]))
         under = f" (another {foreign}'s tips)" if foreign else ""
         log(f"reader{under}: {done}/{total} instances, score "
-            f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states")
+            f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states"
+            + (f", {stats['twins']} twins under another house's tips" if contrast else ""))
     stats["score"] /= max(stats["episodes"], 1)
     return examples, stats

@@ -559,6 +559,36 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
             assert torch.allclose(probs[0], next_token_distributions(model, [prompt], [ids[n:]])[0], atol=1e-5)
 
 
+def test_contrast_twins_are_the_labelled_states_under_another_houses_signed_tips(small_policy, monkeypatch):
+    """With `contrast`, every state labelled by the expert under the instance's own tips has one twin: the same
+    prompt but for its tip blocks, which hold only tips signed for another house of the family, labelled with what
+    the policy samples from the tip-free prompt (the distribution, with `distill`); the two cut to the same tip-free
+    prompt as the collector's own."""
+    import re
+
+    model, tok = small_policy
+    examples, stats = reader_examples(model, tok, variations_per_family=2, signature=True, contrast=True,
+                                      distill=True, log=lambda _: None)
+    own = [ex for ex in examples if len(ex) == 2]
+    twins = [ex for ex in examples if len(ex) == 3]
+    assert len(own) == stats["states"] == len(twins) == stats["twins"] > 0
+    block = re.compile(r"\n\n" + re.escape(TIP_HEADER) + r"\n(?:<tip>[^\n]*</tip>\n)+")
+
+    def parts(ex, kind):
+        n = ex[1].index(kind)
+        text = tok.decode(ex[0][:n])
+        return block.sub("", text), re.findall(r"<tip>Goal: ([^.]*)\.", text)
+
+    own_parts, twin_parts = [parts(ex, TARGET) for ex in own], [parts(ex, SOFT) for ex in twins]
+    assert sorted(p for p, _ in own_parts) == sorted(p for p, _ in twin_parts)  # the same states, tips cut out
+    signed_as = {}
+    for prompt, signed in own_parts:  # the own tips name the instance the prompt's task is about
+        assert len(set(signed)) == 1
+        signed_as.setdefault(prompt, set(signed))
+    for prompt, signed in twin_parts:
+        assert signed and not set(signed) & signed_as[prompt]
+
+
 def test_next_token_distributions_batched_match_one_by_one_and_a_full_forward(small_policy):
     """Right-padded batches give each pair what it gets alone (loop vs vectorised), row k is the softmax of the
     logits that predict target token k, and every row is a distribution."""
@@ -611,7 +641,12 @@ def test_action_log_probs_sum_their_tokens_log_probs(small_policy):
     assert got.exp().sum().item() <= 1.0 + 1e-6
 
 
-def test_distilled_labels_are_refused_without_another_instances_tips(small_policy):
+def test_distilled_labels_and_contrast_are_refused_where_they_cannot_apply(small_policy):
     model, tok = small_policy
     with pytest.raises(ValueError, match="distill labels states under another instance's tips"):
         reader_examples(model, tok, variations_per_family=1, distill=True, log=lambda _: None)
+    with pytest.raises(ValueError, match="only signed tips"):
+        reader_examples(model, tok, variations_per_family=1, contrast=True, log=lambda _: None)
+    with pytest.raises(ValueError, match="only signed tips"):
+        reader_examples(model, tok, variations_per_family=1, contrast=True, signature=True, foreign="house",
+                        log=lambda _: None)
