@@ -634,12 +634,12 @@ def contrast_twins(collector, env, family: str, variation: int, actions: list[st
 
 def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int | None = None, seed: int = 0,
                     foreign: str | None = None, signature: bool = False, distill: bool = False,
-                    contrast: bool = False, log=print) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader): each dev instance
-    (`_own_play`) is played once through the collector with a memory holding scripted episodes' hindsight tips,
-    keyed as the collector keys its own; every example is the collector's own prompt at a state its episode
-    reached (IGNORED), then a label and end of turn (TARGET). Returns the examples and play statistics
-    (`agreed`: states where its action was the label).
+                    contrast: bool = False, log=print) -> tuple[list[tuple], dict]:
+    """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader; with `distill`, (ids, kinds,
+    probs) under tips that do not apply): each dev instance (`_own_play`) is played once through the collector
+    with a memory holding scripted episodes' hindsight tips, keyed as the collector keys its own; every example is
+    the collector's own prompt at a state its episode reached (IGNORED), then a label and end of turn (TARGET).
+    Returns the examples and play statistics (`agreed`: states where its action was the label).
 
     - no `foreign`: the tips are the gold path's, with 0-2 of other scripted episodes of the same instance
       (prior-driven, careful search) as a LOCATED sequence has them. The states are those reached while only
@@ -704,14 +704,17 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
         collector.settings.q = 1.0  # every step with tips also records its tip-free prompt (`train_ids`)
         batch = collector.collect(specs, 1, iteration=0, generator=generator)
         borrowed = foreign_tips(chunk, played, donor_rng) if contrast else [[]] * len(chunk)
-        labelled, pending = [], []  # (prompt with tips, action taken there, label / tip-free prompt to label from)
+        # (prompt with tips, action taken there, label, its distribution or None); pending: the tip-free prompt to
+        # label from in place of the label
+        labelled, pending = [], []
         for (family, variation, _), env, traj, twin_tips in zip(chunk, replay_envs, batch.trajectories, borrowed):
             stats["episodes"] += 1
             stats["score"] += traj.score
             actions = _actions(traj, tok)
             if not foreign:
                 labels = expert_labels(env, family, variation, actions)
-                labelled += [(smp.behaviour_ids, a, label) for smp, a, label in zip(traj.samples, actions, labels)]
+                labelled += [(smp.behaviour_ids, a, label, None) for smp, a, label in
+                             zip(traj.samples, actions, labels)]
                 if twin_tips:
                     pending += contrast_twins(collector, env, family, variation, actions[:len(labels)],
                                               [text for text, _, _ in twin_tips])
@@ -723,20 +726,21 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
             tip_free = [tip_free for _, _, tip_free in pending]
             gens = collector.engine.generate(tip_free, params, seed=collector._seed(generator))
-            pending = [(prompt, action, gen.text.strip()) for (prompt, action, _), gen in zip(pending, gens)]
-            targets = [tok.encode(label, add_special_tokens=False) + [eos] for _, _, label in pending]
+            labels = [gen.text.strip() for gen in gens]
+            targets = [tok.encode(label, add_special_tokens=False) + [eos] for label in labels]
             soft = next_token_distributions(model, tip_free, targets) if distill else [None] * len(pending)
-            pending = [(*state, probs) for state, probs in zip(pending, soft)]
+            pending = [(prompt, action, label, probs) for (prompt, action, _), label, probs in
+                       zip(pending, labels, soft)]
         stats["twins"] += len(pending) * contrast
-        for prompt, action, label, *probs in labelled + pending:
+        for prompt, action, label, probs in labelled + pending:
             target = tok.encode(label, add_special_tokens=False) + [eos]
             if action is not None:  # (a twin's state was reached under the instance's own tips)
                 stats["states"] += 1
                 stats["agreed"] += action == label
-            if not probs or probs[0] is None:
+            if probs is None:
                 examples.append((prompt + target, [IGNORED] * len(prompt) + [TARGET] * len(target)))
             else:
-                examples.append((prompt + target, [IGNORED] * len(prompt) + [SOFT] * len(target), probs[0]))
+                examples.append((prompt + target, [IGNORED] * len(prompt) + [SOFT] * len(target), probs))
         under = f" (another {foreign}'s tips)" if foreign else ""
         log(f"reader{under}: {done}/{total} instances, score "
             f"{stats['score'] / stats['episodes']:.1f}, label taken at {stats['agreed']}/{stats['states']} states"
