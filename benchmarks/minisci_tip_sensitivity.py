@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from minisci_calibration import parse_setting, scripted_episode_tip, tip_donors
 
-from empo2.config import MINISCI_HOUSE_FIELDS, load_config
+from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.models import load_policy
 from empo2.prior_tips import action_log_probs, tips_signed
@@ -53,7 +53,8 @@ def first_action_shift(cfg, model, tok, tasks, seed: int, signature: bool) -> di
         obs, _ = env.reset(task=spec.task, variation=spec.variation)
         actions = env.valid_actions()
         focus = torch.tensor([a.startswith("focus on ") for a in actions])
-        gold = torch.tensor([a == env.gold_actions()[0] for a in actions])
+        first_gold = env.gold_actions()[0]  # (plans the house once, not per action)
+        gold = torch.tensor([a == first_gold for a in actions])
         row = {}
         for name in ("tip_free", *KINDS):
             prompt = collector.builder.build(env.task_description, [], obs, None if name == "tip_free"
@@ -94,7 +95,10 @@ def main() -> None:
         overrides = ["model.name=hf", f"model.path={path}", "model.dtype=float32"] if path else []
         cfg = load_config(["model=minisci_tips_reader", "env=minisci", f"seed={args.seed}", "algo.p=1",
                            *parse_setting(args.setting), *overrides])
-        model, tok = load_policy(cfg.model)
+        try:
+            model, tok = load_policy(cfg.model)
+        except ConfigError as e:  # a wrong path: one line naming it
+            raise SystemExit(f"--models {item}: {e}") from None
         model.eval()
         res = first_action_shift(cfg, model, tok, tasks, args.seed, bool(path) and tips_signed(path))
         results[label] = {"path": path, **res}
