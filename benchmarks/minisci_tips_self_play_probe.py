@@ -17,7 +17,12 @@ admit) and labels each state it reaches with the action it samples itself
 from the tip-free prompt there (`reader_examples(foreign=...)`: tips that do not apply should change nothing;
 with `--distill`, the tip-free prompt's whole next-token distribution along that action); with `--contrast` each
 state labelled under a locating tip also gets its twin under another house's signed tips, labelled from the
-tip-free prompt (`reader_examples(contrast=True)`: the signature is all that tells the two apart);
+tip-free prompt (`reader_examples(contrast=True)`: the signature is all that tells the two apart); with
+`--decisions N` each round also trains at the decision states of N fresh house draws of every dev variation of
+`--decision-families` (the state where the gold path and the trapped prior-driven path part): the gold action
+under the instance's own signed tips, the tip-free distribution under another house's and tip-free
+(`prior_tips.decision_examples`; `--learn none` trains on these alone), and prints the decision-state shift on
+held-out house draws before and after (`prior_tips.decision_shift`);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
 
@@ -38,16 +43,28 @@ from pathlib import Path
 import torch
 
 from empo2.config import MINISCI_TIPS_LAYOUT
+from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
 from empo2.models import save_cached_checkpoint
-from empo2.prior import behaviour_clone
-from empo2.prior_tips import KINDS, TipPriorSettings, cached_prior, reader_examples, self_play_examples, tips_signed
+from empo2.prior import behaviour_clone, dev_instances
+from empo2.prior_tips import (
+    KINDS,
+    TipPriorSettings,
+    cached_prior,
+    decision_examples,
+    decision_shift,
+    decision_states,
+    reader_examples,
+    self_play_examples,
+    tips_signed,
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iterations", type=int, default=1)
-    ap.add_argument("--learn", choices=("tips", "actions", "both"), default="tips",
-                    help="what its own episodes teach: the tips it writes, its actions under a locating tip, or both")
+    ap.add_argument("--learn", choices=("tips", "actions", "both", "none"), default="tips",
+                    help="what its own episodes teach: the tips it writes, its actions under a locating tip, both, or "
+                         "nothing (no self-play: --decisions or --foreign examples only)")
     ap.add_argument("--foreign", nargs="+", choices=("house", "category", "task"), default=[],
                     help="also learn to act as without tips under another house's or another task's tips, or "
                          "another house's whose thing the task's category does not admit (see reader_examples)")
@@ -57,6 +74,13 @@ def main() -> None:
     ap.add_argument("--contrast", action="store_true",
                     help="with --learn actions (or both) and signed tips: each state labelled under the instance's "
                          "own tips also gets its twin under another house's tips, labelled as under --foreign")
+    ap.add_argument("--decisions", type=int, default=0, metavar="HOUSES",
+                    help="house draws per dev variation whose decision states each round trains at (signed tips; "
+                         "~1,600 states per family at 24)")
+    ap.add_argument("--decision-families", nargs="+", default=None,
+                    help="families of the decision states (default: every in-distribution family)")
+    ap.add_argument("--foreign-per-state", type=int, default=2,
+                    help="sets of another house's tips per decision state (each a SOFT example)")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
@@ -75,6 +99,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.distill and not (args.foreign or args.contrast):
         ap.error("--distill labels the states under --foreign tips or --contrast twins; give one of them too")
+    if args.learn == "none" and not (args.decisions or args.foreign):
+        ap.error("--learn none trains on --decisions or --foreign examples only; give one of them")
     if args.contrast and args.learn == "tips":
         ap.error("--contrast pairs the states of --learn actions (or both); give one of them")
     torch.set_num_threads(2)
@@ -96,9 +122,9 @@ def main() -> None:
         changes["tip_signature"] = tips_signed(args.start)
     settings = dataclasses.replace(TipPriorSettings(), **changes)
     signature = settings.tip_signature
-    if args.contrast and not signature:
-        raise SystemExit("--contrast needs signed tips (tip_signature): without them a twin's prompt reads like its "
-                         "state's")
+    if (args.contrast or args.decisions) and not signature:
+        raise SystemExit("--contrast and --decisions need signed tips (tip_signature): without them a prompt under "
+                         "another house's tips reads like one under its own")
     try:
         path, model, tok, sequences = cached_prior(settings, args.start)
     except FileNotFoundError as e:  # not built yet: say so in one line
@@ -120,6 +146,16 @@ def main() -> None:
                                                               signature=signature, contrast=args.contrast,
                                                               distill=args.distill and args.contrast)
                 own += examples
+            if args.decisions:
+                families = args.decision_families or [f for f in FAMILIES if f not in OOD_FAMILIES]
+                rounds_rng = random.Random(args.seed + 1000 * it + 7)
+                states = decision_states([i for i in dev_instances(rounds_rng, args.decisions) if i[0] in families],
+                                         seed=args.seed + it)
+                held = decision_states([i for i in dev_instances(random.Random(args.seed + 1000 * it + 8), 1)
+                                        if i[0] in families], seed=args.seed + it + 1)
+                played["decisions"] = {"states": len(states), "held_out_before": decision_shift(model, tok, held)}
+                print(f"decision states: {len(states)}; held-out shift before: {played['decisions']}", flush=True)
+                own += decision_examples(model, tok, states, args.foreign_per_state, seed=args.seed + it)
             for kind in args.foreign:
                 examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
                                                                       foreign=kind, signature=signature,
@@ -129,6 +165,8 @@ def main() -> None:
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,
                                                   name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,
                                                   lm_weight=settings.lm_weight)
+        if args.decisions:
+            played["decisions"]["held_out_after"] = decision_shift(model, tok, held)
         rounds.append(played)
         print(json.dumps(played))
     save_cached_checkpoint(model, tok, {"probe_of": str(path), "args": vars(args), "self_play": rounds,

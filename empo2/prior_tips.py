@@ -747,3 +747,144 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
             + (f", {stats['twins']} twins under another house's tips" if contrast else ""))
     stats["score"] /= max(stats["episodes"], 1)
     return examples, stats
+
+
+# ------------------------------------------------------------------------------------- decision states
+# The rounds above label every state an episode reaches, and at most of them the gold path and the prior-driven
+# agent take the same step (out of the start room, down the hall), so a pair of prompts that differ only in whose
+# instance their tips are about mostly shares its label: the signature decides almost nothing there. It decides at
+# the state where the two paths part, where a true tip should turn the prior from its trap and another house's
+# should not. `decision_examples` trains there only, on many more houses than a round plays.
+
+
+@dataclass
+class DecisionState:
+    """The first state at which an instance's gold path and its prior-driven trapped path take different actions,
+    reached along the gold path's common prefix with that path."""
+
+    family: str
+    variation: int
+    house: dict
+    gold: Episode
+    trapped: Episode
+    task: str
+    turns: list[tuple[str, str]]  # (observation, action) up to the state
+    obs: str
+    actions: list[str]  # the valid actions there
+    good: str  # the gold path's action there
+
+    def own_tips(self, rng: random.Random) -> list[str]:
+        """The gold path's signed tip, with the trapped episode's half the time (as a memory holds both)."""
+        tips = {hindsight_tip(self.gold, True)}
+        if rng.random() < 0.5:
+            tips.add(hindsight_tip(self.trapped, True))
+        return sorted(tips)
+
+
+def decision_states(instances, max_turns: int = 10, seed: int = 0) -> list[DecisionState]:
+    """The `DecisionState` of each (family, variation, house) in `instances` whose gold path and trapped path
+    (`scripted(trap=True)`, its look-alike taken) part within `max_turns` steps; build-time play on the true house,
+    as every label here is."""
+    from empo2.envs import make_env
+
+    rng = random.Random(seed)
+    out = []
+    for family, variation, house in instances:
+        env = make_env("minisci", max_steps=100, **house)
+        env.reset(task=family, variation=variation)
+        gold = play(env, family, variation, house, env.gold_actions(), max_turns)
+        trapped = play(env, family, variation, house, scripted(rng, trap=True), max_turns)
+        paths = zip((a for _, a in gold.turns), (a for _, a in trapped.turns))
+        k = next((i for i, (a, b) in enumerate(paths) if a != b), None)
+        if k is None:  # (the prior's room is on the gold path's way and nothing tempts before it ends)
+            continue
+        obs, info = env.reset(task=family, variation=variation)
+        turns = []
+        for _, action in gold.turns[:k]:
+            turns.append((obs, action))
+            obs = env.step(action).obs
+        out.append(DecisionState(family, variation, house, gold, trapped, info["task_description"], turns, obs,
+                                 env.valid_actions(), gold.turns[k][1]))
+    return out
+
+
+def decision_prompt(builder, state: DecisionState, tips: list[str] | None) -> list[int]:
+    """The collector's prompt at the state with `tips` in every turn's tip block (the whole-chat layout)."""
+    return builder.build(state.task, state.turns, state.obs, tips, [tips] * len(state.turns) if tips else None).ids
+
+
+def another_house(states: list[DecisionState], i: int, rng: random.Random) -> DecisionState | None:
+    """A state of another instance of `states[i]`'s family whose task's signature differs (a shared signature
+    would read as its own), or None."""
+    me = states[i]
+    others = [s for s in states if s.family == me.family and s.gold.signature != me.gold.signature]
+    return rng.choice(others) if others else None
+
+
+def decision_examples(model, tok, states: list[DecisionState], foreign_per_state: int = 2,
+                      seed: int = 0) -> list[tuple]:
+    """Per decision state, examples whose prompts differ only in their tips, each the collector's prompt (CONTEXT,
+    so the build's next-token loss keeps the language) then a label and end of turn:
+
+    - under the instance's own signed tips (`DecisionState.own_tips`): the gold path's action (TARGET);
+    - under `foreign_per_state` sets of another house's signed tips (`another_house`, its own tips as above): the
+      tip-free policy's whole next-token distribution along an action sampled from it there (SOFT): tips about
+      another instance should change nothing;
+    - tip-free, the same (an anchor: what the signature teaches must not move the tip-free policy, the trap a
+      run starts from).
+
+    Labels come from `model` as it is when called; signed tips only (the signature is what tells the prompts
+    apart)."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    builder = prompt_builder(tok)
+
+    def encode(action: str) -> list[int]:
+        return tok.encode(action, add_special_tokens=False) + [tok.eos_token_id]
+
+    examples, soft_prompts, soft_targets, tip_free = [], [], [], []
+    for i, state in enumerate(states):
+        prompt, target = decision_prompt(builder, state, state.own_tips(rng)), encode(state.good)
+        examples.append((prompt + target, [CONTEXT] * len(prompt) + [TARGET] * len(target)))
+        free = decision_prompt(builder, state, None)
+        with torch.no_grad():
+            log_p = action_log_probs(model, tok, free, state.actions)  # (len(actions),)
+        donors = [another_house(states, i, rng) for _ in range(foreign_per_state)]
+        prompts = [decision_prompt(builder, state, donor.own_tips(rng)) for donor in donors if donor]
+        for prompt in [*prompts, free]:
+            pick = torch.multinomial(torch.softmax(log_p, 0).float(), 1, generator=generator)
+            soft_prompts.append(prompt)
+            soft_targets.append(encode(state.actions[int(pick)]))
+            tip_free.append(free)
+    with torch.no_grad():
+        soft = next_token_distributions(model, tip_free, soft_targets)
+    examples += [(p + t, [CONTEXT] * len(p) + [SOFT] * len(t), q) for p, t, q in zip(soft_prompts, soft_targets, soft)]
+    return examples
+
+
+def decision_shift(model, tok, states: list[DecisionState], seed: int = 0) -> dict:
+    """At each decision state, the policy's probability of the gold path's action (over the valid actions,
+    teacher-forced: exact) tip-free, under the instance's own gold tip and under another house's gold tip, and the
+    KL from tip-free of each; means over `states`. A policy that reads the signature moves under its own tip and
+    stays under another house's."""
+    rng = random.Random(seed)
+    builder = prompt_builder(tok)
+    rows = []
+    for i, state in enumerate(states):
+        donor = another_house(states, i, rng)
+        if donor is None or state.good not in state.actions:
+            continue
+        tips = {"tip_free": None, "own": [hindsight_tip(state.gold, True)],
+                "other_house": [hindsight_tip(donor.gold, True)]}
+        with torch.no_grad():
+            log_p = {k: action_log_probs(model, tok, decision_prompt(builder, state, t), state.actions)
+                     for k, t in tips.items()}
+        log_p = {k: v - v.logsumexp(0) for k, v in log_p.items()}  # normalised over the valid actions
+        good = state.actions.index(state.good)
+        base = log_p["tip_free"]
+        rows.append({k: {"gold": v[good].exp().item(), "kl": (base.exp() * (base - v)).sum().item()}
+                     for k, v in log_p.items()})
+    if not rows:
+        return {"states": 0}
+    means = {k: {m: sum(r[k][m] for r in rows) / len(rows) for m in ("gold", "kl")} for k in rows[0]}
+    return means | {"states": len(rows)}

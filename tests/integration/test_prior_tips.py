@@ -28,6 +28,11 @@ from empo2.prior_tips import (
     TipPriorSettings,
     _own_play,
     action_log_probs,
+    another_house,
+    decision_examples,
+    decision_prompt,
+    decision_shift,
+    decision_states,
     dev_episodes,
     ensure_minisci_tips,
     episode_sequence,
@@ -650,3 +655,106 @@ def test_distilled_labels_and_contrast_are_refused_where_they_cannot_apply(small
     with pytest.raises(ValueError, match="only signed tips"):
         reader_examples(model, tok, variations_per_family=1, contrast=True, signature=True, foreign="house",
                         log=lambda _: None)
+
+
+def _decision_states(n_per_family: int = 6):
+    """The decision states of the first dev variations of each in-distribution family, two house draws each."""
+    import random
+
+    from empo2.envs.minisci import OOD_FAMILIES
+    from empo2.prior import dev_instances
+
+    instances = [i for i in dev_instances(random.Random(0), 2) if i[0] not in OOD_FAMILIES]
+    return decision_states([i for f in FAMILIES for i in [j for j in instances if j[0] == f][:n_per_family]])
+
+
+def test_a_decision_state_is_where_the_gold_path_and_the_trapped_path_part():
+    """Reached along the actions both paths share, on dev variations only; the gold path's action there is valid and
+    is not the trapped path's, and the prompt there is the collector's own with the tips in every turn."""
+    states = _decision_states()
+    cat = catalogue()
+    assert {s.family for s in states} >= {"find-living-thing", "power-component"}
+    for s in states:
+        assert s.variation in cat.split(s.family, "dev")
+        k = len(s.turns)
+        gold, trapped = [a for _, a in s.gold.turns], [a for _, a in s.trapped.turns]
+        assert gold[:k] == trapped[:k] == [a for _, a in s.turns] and gold[k] == s.good != trapped[k]
+        assert s.good in s.actions
+        env = make_env("minisci", max_steps=100, **s.house)
+        obs, _ = env.reset(task=s.family, variation=s.variation)
+        for action in gold[:k]:
+            obs = env.step(action).obs
+        assert obs == s.obs and env.valid_actions() == s.actions  # the state itself, replayed
+    builder = prompt_builder(build_bpe_tokenizer([s.task for s in states] + [s.obs for s in states], 400))
+    s = next(s for s in states if s.turns)
+    tips = [hindsight_tip(s.gold, True)]
+    assert decision_prompt(builder, s, tips) == builder.build(s.task, s.turns, s.obs, tips, [tips] * len(s.turns)).ids
+
+
+def test_decision_examples_contrast_own_and_another_houses_signed_tips_on_the_same_prompt(small_policy):
+    """Per state: the gold action under its own signed tips (hard); under another house's, and tip-free, the
+    tip-free prompt's distribution along an action sampled from it (soft); every prompt is the same state's, its tips
+    the only difference; another house is of the same family with another signature."""
+    import random
+    import re
+
+    model, tok = small_policy
+    states = _decision_states(3)
+    examples = decision_examples(model, tok, states, foreign_per_state=2, seed=0)
+    hard = [ex for ex in examples if len(ex) == 2]
+    soft = [ex for ex in examples if len(ex) == 3]
+    borrows = [any(t.family == s.family and t.gold.signature != s.gold.signature for t in states) for s in states]
+    assert any(borrows) and len(hard) == len(states) and len(soft) == sum(1 + 2 * b for b in borrows)
+    block = re.compile(r"\n\n" + re.escape(TIP_HEADER) + r"\n(?:<tip>[^\n]*</tip>\n)+")
+    builder = prompt_builder(tok)
+    free = {tuple(decision_prompt(builder, s, None)): s for s in states}
+
+    def split(ex, kind):
+        n = ex[1].index(kind)
+        assert set(ex[1][:n]) == {CONTEXT} and set(ex[1][n:]) == {kind}
+        return ex[0][:n], ex[0][n:], re.findall(r"<tip>Goal: ([^.]*)\.", tok.decode(ex[0][:n]))
+
+    for ex, s in zip(hard, states):
+        prompt, target, signed = split(ex, TARGET)
+        assert tok.decode(target, skip_special_tokens=True).strip() == s.good and set(signed) == {s.gold.signature}
+    anchors = 0
+    for ex in soft:
+        prompt, target, signed = split(ex, SOFT)
+        cut = tok(block.sub("", tok.decode(prompt)), add_special_tokens=False).input_ids
+        state = free.get(tuple(prompt)) or free[tuple(cut)]
+        anchors += not signed
+        assert not set(signed) & {state.gold.signature}
+        expected = next_token_distributions(model, [decision_prompt(builder, state, None)], [target])[0]
+        assert torch.allclose(ex[2], expected, atol=1e-5)  # the tip-free prompt's, whatever tips the prompt holds
+    assert anchors == len(states)  # one tip-free anchor each
+    rng = random.Random(0)
+    for i, (s, b) in enumerate(zip(states, borrows)):
+        donor = another_house(states, i, rng)
+        assert (donor is not None) == b and (not b or (donor.family == s.family
+                                                       and donor.gold.signature != s.gold.signature))
+
+
+def test_decision_shift_is_the_exact_probability_of_the_gold_action(small_policy):
+    """Means over states of P(gold action) normalised over the valid actions (tip-free, under the state's own gold
+    tip, under another house's) and of KL(tip-free || with the tip), as computed one by one; a state with no other
+    house to borrow from is left out."""
+    model, tok = small_policy
+    states = [s for s in _decision_states(3) if s.family == "find-living-thing"]
+    a, b = states[0], next(s for s in states if s.gold.signature != states[0].gold.signature)
+    shift = decision_shift(model, tok, [a, b])
+    builder = prompt_builder(tok)
+
+    def dist(s, tip):
+        log_p = action_log_probs(model, tok, decision_prompt(builder, s, [tip] if tip else None), s.actions)
+        return log_p - log_p.logsumexp(0)
+
+    for kind, tip_of in (("tip_free", lambda s, o: None), ("own", lambda s, o: hindsight_tip(s.gold, True)),
+                         ("other_house", lambda s, o: hindsight_tip(o.gold, True))):
+        rows = [dist(s, tip_of(s, o)) for s, o in ((a, b), (b, a))]
+        free = [dist(s, None) for s in (a, b)]
+        gold = [r[s.actions.index(s.good)].exp().item() for r, s in zip(rows, (a, b))]
+        kl = [(f.exp() * (f - r)).sum().item() for f, r in zip(free, rows)]
+        assert shift[kind]["gold"] == pytest.approx(sum(gold) / 2, abs=1e-6)
+        assert shift[kind]["kl"] == pytest.approx(sum(kl) / 2, abs=1e-6)
+    assert shift["states"] == 2 and shift["tip_free"]["kl"] == 0.0
+    assert decision_shift(model, tok, [a])["states"] == 0  # no other house to borrow from
