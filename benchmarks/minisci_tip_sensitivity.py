@@ -10,7 +10,10 @@ actions, the policy's probabilities by teacher forcing, normalised over them (`p
 Per kind of tip: the mean probability that the first action is a `focus on` (the trap: a look-alike in the
 starting room), that it is the gold path's first action, and the mean KL(tip-free || with the tip). A policy
 that uses what a tip says moves far under its own house's tips and little under the others; one that reacts to
-a tip block moves alike under all.
+a tip block moves alike under all. The first action is often the same for every path (out of the start room), so
+the same is measured where it is not: at each instance's decision state, the first where its gold path and its
+trapped prior-driven path part (`prior_tips.decision_states`), the probability of the gold path's action there
+tip-free, under its own gold tip and under another house's (`prior_tips.decision_shift`).
 
     python benchmarks/minisci_tip_sensitivity.py --models shipped= v7=outputs/priors/reader-v7 \\
         --out benchmarks/minisci_tips/tip_sensitivity.json      (~1 min per model on 2 cores)
@@ -33,7 +36,7 @@ from minisci_calibration import parse_setting, scripted_episode_tip, tip_donors
 from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.models import load_policy
-from empo2.prior_tips import action_log_probs, tips_signed
+from empo2.prior_tips import action_log_probs, decision_shift, decision_states, tips_signed
 from empo2.train import build_collector, env_kwargs
 
 KINDS = ("gold", "trapped", "other_house", "other_task")
@@ -87,7 +90,8 @@ def main() -> None:
     results = {}
     print("| model | P(first action a focus): tip-free / gold / trapped / another house's gold / another task's "
           "gold | P(gold path's first action): same | KL from tip-free: gold / trapped / another house / another "
-          "task |\n|---|---|---|---|")
+          "task | at the decision state, P(gold action): tip-free / own gold / another house's gold |"
+          "\n|---|---|---|---|---|")
     for item in args.models:
         label, sep, path = item.partition("=")
         if not sep:
@@ -100,9 +104,14 @@ def main() -> None:
         except ConfigError as e:  # a wrong path: one line naming it
             raise SystemExit(f"--models {item}: {e}") from None
         model.eval()
-        res = first_action_shift(cfg, model, tok, tasks, args.seed, bool(path) and tips_signed(path))
+        signed = bool(path) and tips_signed(path)
+        res = first_action_shift(cfg, model, tok, tasks, args.seed, signed)
+        house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
+        states = decision_states([(spec.task, spec.variation, house) for spec in tasks], cfg.env.max_steps, args.seed)
+        res["decision"] = decision_shift(model, tok, states, args.seed, signed)
         results[label] = {"path": path, **res}
-        print(f"| {label} | {cells(res, 'focus')} | {cells(res, 'gold')} | {cells(res, 'kl', KINDS)} |", flush=True)
+        print(f"| {label} | {cells(res, 'focus')} | {cells(res, 'gold')} | {cells(res, 'kl', KINDS)} | "
+              f"{cells(res['decision'], 'gold', ('tip_free', 'own', 'other_house'))} |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "args": vars(args), "models": results}, indent=2))

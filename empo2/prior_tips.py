@@ -862,11 +862,11 @@ def decision_examples(model, tok, states: list[DecisionState], foreign_per_state
     return examples
 
 
-def decision_shift(model, tok, states: list[DecisionState], seed: int = 0) -> dict:
+def decision_shift(model, tok, states: list[DecisionState], seed: int = 0, signature: bool = True) -> dict:
     """At each decision state, the policy's probability of the gold path's action (over the valid actions,
-    teacher-forced: exact) tip-free, under the instance's own gold tip and under another house's gold tip, and the
-    KL from tip-free of each; means over `states`. A policy that reads the signature moves under its own tip and
-    stays under another house's."""
+    teacher-forced: exact) tip-free, under the instance's own gold tip and under another house's gold tip (signed,
+    or not for a prior trained on unsigned tips), and the KL from tip-free of each; means over `states`. A policy
+    that reads the signature moves under its own tip and stays under another house's."""
     rng = random.Random(seed)
     builder = prompt_builder(tok)
     rows = []
@@ -874,8 +874,8 @@ def decision_shift(model, tok, states: list[DecisionState], seed: int = 0) -> di
         donor = another_house(states, i, rng)
         if donor is None or state.good not in state.actions:
             continue
-        tips = {"tip_free": None, "own": [hindsight_tip(state.gold, True)],
-                "other_house": [hindsight_tip(donor.gold, True)]}
+        tips = {"tip_free": None, "own": [hindsight_tip(state.gold, signature)],
+                "other_house": [hindsight_tip(donor.gold, signature)]}
         with torch.no_grad():
             log_p = {k: action_log_probs(model, tok, decision_prompt(builder, state, t), state.actions)
                      for k, t in tips.items()}
