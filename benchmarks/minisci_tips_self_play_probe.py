@@ -99,6 +99,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.distill and not (args.foreign or args.contrast):
         ap.error("--distill labels the states under --foreign tips or --contrast twins; give one of them too")
+    if args.decisions < 0 or args.foreign_per_state < 0:
+        ap.error("--decisions and --foreign-per-state count house draws and tip sets: give 0 or more")
+    in_distribution = [f for f in FAMILIES if f not in OOD_FAMILIES]
+    unknown = sorted(set(args.decision_families or []) - set(in_distribution))
+    if unknown:
+        ap.error(f"--decision-families {' '.join(unknown)}: not an in-distribution family (one of "
+                 f"{', '.join(in_distribution)})")
     if args.learn == "none" and not (args.decisions or args.foreign):
         ap.error("--learn none trains on --decisions or --foreign examples only; give one of them")
     if args.contrast and args.learn == "tips":
@@ -147,7 +154,7 @@ def main() -> None:
                                                               distill=args.distill and args.contrast)
                 own += examples
             if args.decisions:
-                families = args.decision_families or [f for f in FAMILIES if f not in OOD_FAMILIES]
+                families = args.decision_families or in_distribution
                 rounds_rng = random.Random(args.seed + 1000 * it + 7)
                 states = decision_states([i for i in dev_instances(rounds_rng, args.decisions) if i[0] in families],
                                          seed=args.seed + it)
