@@ -13,7 +13,8 @@ that uses what a tip says moves far under its own house's tips and little under 
 a tip block moves alike under all. The first action is often the same for every path (out of the start room), so
 the same is measured where it is not: at each instance's decision state, the first where its gold path and its
 trapped prior-driven path part (`prior_tips.decision_states`), the probability of the gold path's action there
-tip-free, under its own gold tip and under another house's (`prior_tips.decision_shift`).
+tip-free, under its own gold tip, under another house's, and (signed priors) under its own gold tip re-signed with
+that house's signature, word for word its own tip but about another instance (`prior_tips.decision_shift`).
 
     python benchmarks/minisci_tip_sensitivity.py --models shipped= v7=outputs/priors/reader-v7 \\
         --out benchmarks/minisci_tips/tip_sensitivity.json      (~1 min per model on 2 cores)
@@ -90,7 +91,8 @@ def main() -> None:
     results = {}
     print("| model | P(first action a focus): tip-free / gold / trapped / another house's gold / another task's "
           "gold | P(gold path's first action): same | KL from tip-free: gold / trapped / another house / another "
-          "task | at the decision state, P(gold action): tip-free / own gold / another house's gold |"
+          "task | at the decision state, P(gold action): tip-free / own gold / another house's gold / own gold "
+          "re-signed |"
           "\n|---|---|---|---|---|")
     for item in args.models:
         label, sep, path = item.partition("=")
@@ -110,8 +112,9 @@ def main() -> None:
         states = decision_states([(spec.task, spec.variation, house) for spec in tasks], cfg.env.max_steps, args.seed)
         res["decision"] = decision_shift(model, tok, states, args.seed, signed)
         results[label] = {"path": path, **res}
+        resigned = f"{res['decision']['resigned']['gold']:.2f}" if signed else "–"  # (unsigned tips: no signature)
         print(f"| {label} | {cells(res, 'focus')} | {cells(res, 'gold')} | {cells(res, 'kl', KINDS)} | "
-              f"{cells(res['decision'], 'gold', ('tip_free', 'own', 'other_house'))} |", flush=True)
+              f"{cells(res['decision'], 'gold', ('tip_free', 'own', 'other_house'))} / {resigned} |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "args": vars(args), "models": results}, indent=2))

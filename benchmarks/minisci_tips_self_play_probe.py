@@ -21,8 +21,10 @@ tip-free prompt (`reader_examples(contrast=True)`: the signature is all that tel
 `--decisions N` each round also trains at the decision states of N fresh house draws of every dev variation of
 `--decision-families` (the state where the gold path and the trapped prior-driven path part): the gold action
 under the instance's own signed tips, the tip-free distribution under another house's and tip-free
-(`prior_tips.decision_examples`; `--learn none` trains on these alone), and prints the decision-state shift on
-held-out house draws before and after (`prior_tips.decision_shift`);
+(`prior_tips.decision_examples`; `--learn none` trains on these alone; `--resign`: the instance's own tips
+re-signed with another house's signature in place of that house's tips, so that only the signature tells the
+prompts apart), and prints the decision-state shift on held-out house draws before and after
+(`prior_tips.decision_shift`);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
 
@@ -81,6 +83,9 @@ def main() -> None:
                     help="families of the decision states (default: every in-distribution family)")
     ap.add_argument("--foreign-per-state", type=int, default=2,
                     help="sets of another house's tips per decision state (each a SOFT example)")
+    ap.add_argument("--resign", action="store_true",
+                    help="at decision states, the instance's own tips re-signed with another house's signature in "
+                         "place of that house's tips: the signature the only difference (a capacity test)")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
@@ -106,6 +111,8 @@ def main() -> None:
     if unknown:
         ap.error(f"--decision-families {' '.join(unknown)}: not an in-distribution family (one of "
                  f"{', '.join(in_distribution)})")
+    if args.resign and not args.decisions:
+        ap.error("--resign re-signs the tips of --decisions states; give --decisions too")
     if args.learn == "none" and not (args.decisions or args.foreign):
         ap.error("--learn none trains on --decisions or --foreign examples only; give one of them")
     if args.contrast and args.learn == "tips":
@@ -162,7 +169,8 @@ def main() -> None:
                                         if i[0] in families], seed=args.seed + it + 1)
                 played["decisions"] = {"states": len(states), "held_out_before": decision_shift(model, tok, held)}
                 print(f"decision states: {len(states)}; held-out shift before: {played['decisions']}", flush=True)
-                own += decision_examples(model, tok, states, args.foreign_per_state, seed=args.seed + it)
+                own += decision_examples(model, tok, states, args.foreign_per_state, seed=args.seed + it,
+                                          resigned=args.resign)
             for kind in args.foreign:
                 examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
                                                                       foreign=kind, signature=signature,

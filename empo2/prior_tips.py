@@ -773,12 +773,21 @@ class DecisionState:
     actions: list[str]  # the valid actions there
     good: str  # the gold path's action there
 
-    def own_tips(self, rng: random.Random) -> list[str]:
-        """The gold path's signed tip, with the trapped episode's half the time (as a memory holds both)."""
+    def own_tips(self, rng: random.Random, signature: str | None = None) -> list[str]:
+        """The gold path's signed tip, with the trapped episode's half the time (as a memory holds both); with
+        `signature`, the same tips signed as if about the instance it names (`resign`)."""
         tips = {hindsight_tip(self.gold, True)}
         if rng.random() < 0.5:
             tips.add(hindsight_tip(self.trapped, True))
-        return sorted(tips)
+        return sorted(resign(tip, signature) if signature is not None else tip for tip in tips)
+
+
+def resign(tip: str, signature: str) -> str:
+    """A signed tip with its signature replaced: word for word the same tip, said of another instance."""
+    head = "Goal: "
+    if not tip.startswith(head):
+        raise ValueError(f"not a signed tip: {tip!r}")
+    return f"{head}{signature}.{tip[tip.index('. ', len(head)) + 1:]}"
 
 
 def decision_states(instances, max_turns: int = 10, seed: int = 0) -> list[DecisionState]:
@@ -822,14 +831,16 @@ def another_house(states: list[DecisionState], i: int, rng: random.Random) -> De
 
 
 def decision_examples(model, tok, states: list[DecisionState], foreign_per_state: int = 2,
-                      seed: int = 0) -> list[tuple]:
+                      seed: int = 0, resigned: bool = False) -> list[tuple]:
     """Per decision state, examples whose prompts differ only in their tips, each the collector's prompt (CONTEXT,
     so the build's next-token loss keeps the language) then a label and end of turn:
 
     - under the instance's own signed tips (`DecisionState.own_tips`): the gold path's action (TARGET);
     - under `foreign_per_state` sets of another house's signed tips (`another_house`, its own tips as above): the
       tip-free policy's whole next-token distribution along an action sampled from it there (SOFT): tips about
-      another instance should change nothing;
+      another instance should change nothing; with `resigned`, the instance's own tips re-signed with another
+      house's signature instead (`resign`), so that the signature is the only word that tells the two prompts
+      apart and what a tip says cannot;
     - tip-free, the same (an anchor: what the signature teaches must not move the tip-free policy, the trap a
       run starts from).
 
@@ -850,7 +861,8 @@ def decision_examples(model, tok, states: list[DecisionState], foreign_per_state
         with torch.no_grad():
             log_p = action_log_probs(model, tok, free, state.actions)  # (len(actions),)
         donors = [another_house(states, i, rng) for _ in range(foreign_per_state)]
-        prompts = [decision_prompt(builder, state, donor.own_tips(rng)) for donor in donors if donor]
+        prompts = [decision_prompt(builder, state, state.own_tips(rng, donor.gold.signature) if resigned
+                                   else donor.own_tips(rng)) for donor in donors if donor]
         for prompt in [*prompts, free]:
             pick = torch.multinomial(torch.softmax(log_p, 0).float(), 1, generator=generator)
             soft_prompts.append(prompt)
@@ -865,8 +877,9 @@ def decision_examples(model, tok, states: list[DecisionState], foreign_per_state
 def decision_shift(model, tok, states: list[DecisionState], seed: int = 0, signature: bool = True) -> dict:
     """At each decision state, the policy's probability of the gold path's action (over the valid actions,
     teacher-forced: exact) tip-free, under the instance's own gold tip and under another house's gold tip (signed,
-    or not for a prior trained on unsigned tips), and the KL from tip-free of each; means over `states`. A policy
-    that reads the signature moves under its own tip and stays under another house's."""
+    or not for a prior trained on unsigned tips), and the KL from tip-free of each; means over `states`. Signed,
+    also under its own gold tip re-signed with that house's signature (`resigned`: the same words but whose tip it
+    is). A policy that reads the signature moves under its own tip and stays under the other two."""
     rng = random.Random(seed)
     builder = prompt_builder(tok)
     rows = []
@@ -876,6 +889,8 @@ def decision_shift(model, tok, states: list[DecisionState], seed: int = 0, signa
             continue
         tips = {"tip_free": None, "own": [hindsight_tip(state.gold, signature)],
                 "other_house": [hindsight_tip(donor.gold, signature)]}
+        if signature:
+            tips["resigned"] = [resign(hindsight_tip(state.gold, True), donor.gold.signature)]
         with torch.no_grad():
             log_p = {k: action_log_probs(model, tok, decision_prompt(builder, state, t), state.actions)
                      for k, t in tips.items()}

@@ -45,6 +45,7 @@ from empo2.prior_tips import (
     prompt_builder,
     reader_examples,
     replay,
+    resign,
     self_play_examples,
     tips_signed,
     training_sequences,
@@ -749,7 +750,8 @@ def test_decision_shift_is_the_exact_probability_of_the_gold_action(small_policy
         return log_p - log_p.logsumexp(0)
 
     for kind, tip_of in (("tip_free", lambda s, o: None), ("own", lambda s, o: hindsight_tip(s.gold, True)),
-                         ("other_house", lambda s, o: hindsight_tip(o.gold, True))):
+                         ("other_house", lambda s, o: hindsight_tip(o.gold, True)),
+                         ("resigned", lambda s, o: resign(hindsight_tip(s.gold, True), o.gold.signature))):
         rows = [dist(s, tip_of(s, o)) for s, o in ((a, b), (b, a))]
         free = [dist(s, None) for s in (a, b)]
         gold = [r[s.actions.index(s.good)].exp().item() for r, s in zip(rows, (a, b))]
@@ -758,3 +760,47 @@ def test_decision_shift_is_the_exact_probability_of_the_gold_action(small_policy
         assert shift[kind]["kl"] == pytest.approx(sum(kl) / 2, abs=1e-6)
     assert shift["states"] == 2 and shift["tip_free"]["kl"] == 0.0
     assert decision_shift(model, tok, [a])["states"] == 0  # no other house to borrow from
+    assert "resigned" not in decision_shift(model, tok, [a, b], signature=False)  # unsigned tips: no signature
+
+
+def test_a_resigned_tip_is_the_same_tip_about_another_instance():
+    tip = "Goal: green box, kitchen. Seen: frog in the bedroom. Focusing on the stapler failed. Final score 0."
+    assert resign(tip, "red box, hallway") == ("Goal: red box, hallway. Seen: frog in the bedroom. Focusing on the "
+                                               "stapler failed. Final score 0.")
+    with pytest.raises(ValueError, match="not a signed tip"):
+        resign("Seen: frog in the bedroom. Final score 100.", "red box, hallway")
+
+
+def test_resigned_decision_examples_differ_from_the_own_tips_in_the_signature_only(small_policy):
+    """With `resigned`, the tips of every SOFT example but the tip-free anchor are the state's own tips word for
+    word (its gold path's, with its trapped episode's or not), signed with the signature of another house of its
+    family; the hard examples are as without it."""
+    import re
+
+    model, tok = small_policy
+    states = _decision_states(3)
+    plain = decision_examples(model, tok, states, foreign_per_state=2, seed=0)
+    examples = decision_examples(model, tok, states, foreign_per_state=2, seed=0, resigned=True)
+    assert [ex for ex in examples if len(ex) == 2] == [ex for ex in plain if len(ex) == 2]
+    assert len(examples) == len(plain)
+    builder = prompt_builder(tok)
+    block = re.compile(r"\n\n" + re.escape(TIP_HEADER) + r"\n(?:<tip>[^\n]*</tip>\n)+")
+    tip = re.compile(r"<tip>Goal: ([^.]*)\. ([^<]*)</tip>")
+    resigned = 0
+    for ids, kinds, _ in (ex for ex in examples if len(ex) == 3):
+        prompt = tok.decode(ids[:kinds.index(SOFT)])
+        found = set(tip.findall(prompt))
+        if not found:
+            continue  # the tip-free anchor
+        free = tok(block.sub("", prompt), add_special_tokens=False).input_ids
+        (signature,) = {sig for sig, _ in found}
+        said = {rest for _, rest in found}
+
+        def own(s):  # the state's own tips without their signature
+            return {hindsight_tip(e, True).split(". ", 1)[1] for e in (s.gold, s.trapped)}
+
+        assert any(decision_prompt(builder, s, None) == free and hindsight_tip(s.gold, True).split(". ", 1)[1] in said
+                   and said <= own(s) and signature != s.gold.signature
+                   and any(t.family == s.family and t.gold.signature == signature for t in states) for s in states)
+        resigned += 1
+    assert resigned == sum(len(ex) == 3 for ex in examples) - len(states)  # all but one anchor per state
