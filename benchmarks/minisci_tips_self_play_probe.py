@@ -23,8 +23,8 @@ tip-free prompt (`reader_examples(contrast=True)`: the signature is all that tel
 under the instance's own signed tips, the tip-free distribution under another house's and tip-free
 (`prior_tips.decision_examples`; `--learn none` trains on these alone; `--resign`: the instance's own tips
 re-signed with another house's signature in place of that house's tips, so that only the signature tells the
-prompts apart), and prints the decision-state shift on held-out house draws before and after
-(`prior_tips.decision_shift`);
+prompts apart), and prints the decision-state shift on held-out house draws, and on about 300 of the states it
+trains at, before and after (`prior_tips.decision_shift`);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
 
@@ -167,7 +167,9 @@ def main() -> None:
                                          seed=args.seed + it)
                 held = decision_states([i for i in dev_instances(random.Random(args.seed + 1000 * it + 8), 1)
                                         if i[0] in families], seed=args.seed + it + 1)
-                played["decisions"] = {"states": len(states), "held_out_before": decision_shift(model, tok, held)}
+                trained = states[::max(1, len(states) // 300)]  # (every k-th: what it fits on its own states)
+                played["decisions"] = {"states": len(states), "held_out_before": decision_shift(model, tok, held),
+                                       "trained_before": decision_shift(model, tok, trained)}
                 print(f"decision states: {len(states)}; held-out shift before: {played['decisions']}", flush=True)
                 own += decision_examples(model, tok, states, args.foreign_per_state, seed=args.seed + it,
                                           resigned=args.resign)
@@ -181,7 +183,8 @@ def main() -> None:
                                                   name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,
                                                   lm_weight=settings.lm_weight)
         if args.decisions:
-            played["decisions"]["held_out_after"] = decision_shift(model, tok, held)
+            played["decisions"] |= {"held_out_after": decision_shift(model, tok, held),
+                                    "trained_after": decision_shift(model, tok, trained)}
         rounds.append(played)
         print(json.dumps(played))
     save_cached_checkpoint(model, tok, {"probe_of": str(path), "args": vars(args), "self_play": rounds,
