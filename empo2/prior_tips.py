@@ -113,12 +113,15 @@ class Episode:
     signature: str = ""  # the words of its task that tell the instance from another of its family
 
 
+SIGNATURE_HEAD = "Goal: "  # a signed tip opens with it, then its task's signature and a full stop
+
+
 def hindsight_tip(ep: Episode, signature: bool = False) -> str:
     """The one-line tip an episode supports: where it saw what the house hides, the focus that failed, the
     score; only what its own observations showed. With `signature`, it opens with the words of its task that
     tell its instance from another of the family (`TipPriorSettings.tip_signature`)."""
     seen = ", ".join(f"{thing} in the {room}" for thing, room in sorted(ep.sightings.items()))
-    parts = [f"Goal: {ep.signature}."] if signature else []
+    parts = [f"{SIGNATURE_HEAD}{ep.signature}."] if signature else []
     parts.append(f"Seen: {seen}." if seen else "Seen: nothing the task needs.")
     if ep.failed_focus:
         parts.append(f"Focusing on the {ep.failed_focus} failed.")
@@ -784,10 +787,9 @@ class DecisionState:
 
 def resign(tip: str, signature: str) -> str:
     """A signed tip with its signature replaced: word for word the same tip, said of another instance."""
-    head = "Goal: "
-    if not tip.startswith(head):
+    if not tip.startswith(SIGNATURE_HEAD):
         raise ValueError(f"not a signed tip: {tip!r}")
-    return f"{head}{signature}.{tip[tip.index('. ', len(head)) + 1:]}"
+    return f"{SIGNATURE_HEAD}{signature}.{tip[tip.index('. ', len(SIGNATURE_HEAD)) + 1:]}"
 
 
 def decision_states(instances, max_turns: int = 10, seed: int = 0) -> list[DecisionState]:
