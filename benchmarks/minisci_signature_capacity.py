@@ -50,6 +50,21 @@ def size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r}: give LAYERSxWIDTH, e.g. 4x128") from None
 
 
+def labeller_and_states(path: str, houses: int, seed: int) -> tuple:
+    """The signed prior at `path` (eval mode) and its tokenizer, the decision states of `houses` draws per dev
+    variation of the family, and those of one other draw each (held out)."""
+    cfg = load_config(["model=minisci_tips_reader", "env=minisci", "model.name=hf", f"model.path={path}",
+                       "model.dtype=float32"])
+    try:
+        labeller, tok = load_policy(cfg.model)
+    except ConfigError as e:  # a wrong path: one line naming it
+        raise SystemExit(f"--labeller: {e}") from None
+    labeller.eval()
+    states = decision_states([i for i in dev_instances(random.Random(seed + 7), houses) if i[0] == FAMILY], seed=seed)
+    held = decision_states([i for i in dev_instances(random.Random(seed + 8), 1) if i[0] == FAMILY], seed=seed + 1)
+    return labeller, tok, states, held
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--labeller", required=True, help="a signed prior: its tokenizer, and its tip-free labels")
@@ -64,17 +79,7 @@ def main() -> None:
     if args.houses < 1 or args.epochs <= 0:
         ap.error("--houses and --epochs must be positive")
     torch.set_num_threads(args.threads)
-    cfg = load_config(["model=minisci_tips_reader", "env=minisci", "model.name=hf", f"model.path={args.labeller}",
-                       "model.dtype=float32"])
-    try:
-        labeller, tok = load_policy(cfg.model)
-    except ConfigError as e:  # a wrong path: one line naming it
-        raise SystemExit(f"--labeller: {e}") from None
-    labeller.eval()
-    states = decision_states([i for i in dev_instances(random.Random(args.seed + 7), args.houses) if i[0] == FAMILY],
-                             seed=args.seed)
-    held = decision_states([i for i in dev_instances(random.Random(args.seed + 8), 1) if i[0] == FAMILY],
-                           seed=args.seed + 1)
+    labeller, tok, states, held = labeller_and_states(args.labeller, args.houses, args.seed)
     trained = states[::max(1, len(states) // 300)]
     examples = decision_examples(labeller, tok, states, 2, seed=args.seed, resigned=True)
     print(f"{len(states)} decision states ({len(examples)} examples), {len(held)} held out", flush=True)

@@ -905,3 +905,46 @@ def decision_shift(model, tok, states: list[DecisionState], seed: int = 0, signa
         return {"states": 0}
     means = {k: {m: sum(r[k][m] for r in rows) / len(rows) for m in ("gold", "kl")} for k in rows[0]}
     return means | {"states": len(rows)}
+
+
+def signature_match_examples(tok, states: list[DecisionState], seed: int = 0) -> list[tuple]:
+    """What reading the signature computes, as a target of its own (benchmarks/minisci_signature_probe.py). Per
+    decision state, the collector's prompt under the gold path's signed tip and under the same tip re-signed with
+    another house's signature (`resign`), as (ids, positions, labels): at the last token of each field of the
+    signature (the words between its commas: box and room, the component) in every tip block, 1.0 where that
+    field is the instance's own; at the prompt's last token, where the reader answers, 1.0 where the whole
+    signature is. The two prompts differ in the signature alone, so nothing else can tell them apart."""
+    rng = random.Random(seed)
+    builder = prompt_builder(tok)
+    out = []
+    for i, state in enumerate(states):
+        donor = another_house(states, i, rng)
+        if donor is None:
+            continue
+        own = state.gold.signature
+        for signature in (own, donor.gold.signature):
+            ids = decision_prompt(builder, state, [resign(hindsight_tip(state.gold, True), signature)])
+            ends = _token_ends(tok, ids)
+            text, said = tok.decode(ids), f"{SIGNATURE_HEAD}{signature}."
+            positions, labels = [], []
+            at = text.find(said)
+            while at >= 0:
+                start = at + len(SIGNATURE_HEAD)
+                for field, mine in zip(signature.split(", "), own.split(", "), strict=True):
+                    start = text.index(field, start) + len(field)  # the field's last character ends here
+                    positions.append(next(k for k, end in enumerate(ends) if end >= start))
+                    labels.append(float(field == mine))
+                at = text.find(said, start)
+            out.append((ids, [*positions, len(ids) - 1], [*labels, float(signature == own)]))
+    return out
+
+
+def _token_ends(tok, ids: list[int]) -> list[int]:
+    """Where each token of `ids` ends in `tok.decode(ids)` (character offsets)."""
+    ends, n = [], 0
+    for i in ids:
+        n += len(tok.decode([i]))
+        ends.append(n)
+    if n != len(tok.decode(ids)):
+        raise ValueError("the tokenizer does not decode token by token; offsets would be wrong")
+    return ends

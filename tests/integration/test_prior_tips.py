@@ -4,6 +4,8 @@ the episode's observations showed, actions with tips that follow what the tips s
 
 import dataclasses
 import json
+import random
+import re
 
 import pytest
 import torch
@@ -47,6 +49,7 @@ from empo2.prior_tips import (
     replay,
     resign,
     self_play_examples,
+    signature_match_examples,
     tips_signed,
     training_sequences,
 )
@@ -804,3 +807,33 @@ def test_resigned_decision_examples_differ_from_the_own_tips_in_the_signature_on
                    and any(t.family == s.family and t.gold.signature == signature for t in states) for s in states)
         resigned += 1
     assert resigned == sum(len(ex) == 3 for ex in examples) - len(states)  # all but one anchor per state
+
+
+def test_signature_match_labels_each_field_of_every_tip_and_the_whole_signature_at_the_answer(small_policy):
+    """Two prompts per state that has another house: under its gold tip, labelled 1 everywhere; under the same tip
+    re-signed, 1 exactly at the fields it shares with the instance's signature and 0 at the prompt's last token.
+    Each position is the token that ends its field, in every tip block of the whole chat."""
+    _, tok = small_policy
+    states = _decision_states(3)
+    examples = signature_match_examples(tok, states, seed=0)
+    builder = prompt_builder(tok)
+    with_donor = [s for i, s in enumerate(states) if another_house(states, i, random.Random(0))]
+    assert len(examples) == 2 * len(with_donor) > 0
+    for n, (ids, positions, labels) in enumerate(examples):
+        own_prompt = examples[n - n % 2][0]
+        # (two house draws may reach the same state: the same prompt, so either serves)
+        state = next(s for s in with_donor if decision_prompt(builder, s, [hindsight_tip(s.gold, True)]) == own_prompt)
+        own, prompt = state.gold.signature, tok.decode(ids)
+        (said,) = set(re.findall(r"<tip>Goal: ([^.]*)\. ", prompt))
+        assert ids == decision_prompt(builder, state, [resign(hindsight_tip(state.gold, True), said)])
+        assert (said == own) == (n % 2 == 0)
+        fields = said.split(", ")
+        blocks = prompt.count("<tip>")
+        assert blocks == len(state.turns) + 1 and len(positions) == blocks * len(fields) + 1
+        assert positions[-1] == len(ids) - 1 and labels[-1] == float(said == own)
+        assert min(labels) == float(said == own)  # a re-signed prompt differs from its own in some field
+        for k, (p, label) in enumerate(zip(positions[:-1], labels[:-1], strict=True)):
+            field = fields[k % len(fields)]
+            before, through = len(tok.decode(ids[:p])), tok.decode(ids[:p + 1])
+            assert field in through[max(0, before - len(field)):] and through.rstrip(",.").endswith(field)
+            assert label == float(field == own.split(", ")[k % len(fields)])

@@ -1,0 +1,191 @@
+"""Is the signature match in a prior at all, and can the architecture learn it when told the answer?
+
+No tip prior reads the signature its tips open with, and neither rounds from a built prior nor training a fresh
+model on re-signed decision-state pairs taught it (README, "Tips that differ only in their signature";
+`minisci_signature_capacity.py`). Those runs teach the match only through actions, whose labels differ little
+between the two prompts. This asks for the match itself, at the decision states of find-living-thing dev instances,
+with `prior_tips.signature_match_examples` (the gold path's signed tip and the same tip re-signed with another
+house's signature; only the signature differs):
+
+1. the labeller's own hidden state at the prompt's last token, where it chooses its action: can a linear probe,
+   per layer, tell the own tip from the re-signed one on held-out house draws? A reader of the signature must
+   carry that bit there;
+2. told directly: the labeller itself and fresh models of the given sizes, each with a linear head trained on the
+   match (binary cross-entropy at the last token of every signature field and at the prompt's last token,
+   the model trained with it), donors redrawn every pass; held-out accuracy against the majority answer as it
+   trains. A model that learns neither has no way to read the signature at these budgets, whatever the data.
+
+    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 \\
+        --out benchmarks/minisci_tips/signature_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from empo2.cli import quiet_libraries  # noqa: E402
+
+quiet_libraries()
+
+from minisci_signature_capacity import labeller_and_states, size  # noqa: E402
+
+from empo2.models import build_tiny_model  # noqa: E402
+from empo2.prior_tips import signature_match_examples  # noqa: E402
+
+BATCH = 8
+
+
+def hidden(model, batch: list[tuple], layer: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+    """Hidden states at each example's labelled positions: the last layer's, one (positions, width) tensor per
+    example; with `layer`, that layer's at the prompt's last token only, (examples, width)."""
+    width = max(len(ids) for ids, _, _ in batch)
+    ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in batch])  # (B, T); right padding, causal
+    states = model.model(input_ids=ids, output_hidden_states=True).hidden_states  # layers + 1 of (B, T, width)
+    if layer is not None:
+        return torch.stack([states[layer][n, pos[-1]] for n, (_, pos, _) in enumerate(batch)])
+    return [states[-1][n, pos] for n, (_, pos, _) in enumerate(batch)]
+
+
+def logistic(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Weights then bias of an L2-regularised logistic regression of y (n,) on x (n, width), by LBFGS."""
+    w = torch.zeros(x.shape[1] + 1, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=300)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(x @ w[:-1] + w[-1], y) + 1e-3 * w[:-1].square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def linear_probe(model, train: list[tuple], held: list[tuple]) -> list[dict]:
+    """Per layer (0: the embeddings), a logistic regression (L2, LBFGS) of the own/re-signed bit on the hidden
+    state at the prompt's last token: accuracy where it was fitted and on held-out states."""
+    model.eval()
+    y_train = torch.tensor([labels[-1] for _, _, labels in train])
+    y_held = torch.tensor([labels[-1] for _, _, labels in held])
+    rows = []
+    for layer in range(model.config.num_hidden_layers + 1):
+        with torch.no_grad():
+            x_train, x_held = (torch.cat([hidden(model, data[k:k + 16], layer) for k in range(0, len(data), 16)])
+                               for data in (train, held))
+        mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+        x_train, x_held = (x_train - mean) / std, (x_held - mean) / std
+        w = logistic(x_train, y_train)
+        with torch.no_grad():
+            rows.append({"layer": layer,
+                         "train": ((x_train @ w[:-1] + w[-1] > 0).float() == y_train).float().mean().item(),
+                         "held_out": ((x_held @ w[:-1] + w[-1] > 0).float() == y_held).float().mean().item()})
+    return rows
+
+
+def accuracy(model, head, held: list[tuple]) -> dict:
+    """Held-out accuracy at the prompt's last token and at the signature fields."""
+    model.eval()
+    hits = {"answer": [], "fields": []}
+    with torch.no_grad():
+        for k in range(0, len(held), 16):
+            batch = held[k:k + 16]
+            for h, (_, _, labels) in zip(hidden(model, batch), batch, strict=True):
+                right = ((head(h).squeeze(-1) > 0).float() == torch.tensor(labels)).tolist()
+                hits["answer"].append(right[-1])
+                hits["fields"] += right[:-1]
+    model.train()
+    return {k: sum(v) / len(v) for k, v in hits.items()}
+
+
+def told(model, tok, states: list, held: list[tuple], steps: int, lr: float, seed: int, every: int,
+         name: str) -> dict:
+    """Train `model` with a linear head on the match, donors redrawn every pass; the held-out curve."""
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=lr, weight_decay=0.0)
+    model.train()
+    data, curve, losses, t0, rng = [], [], [], time.perf_counter(), random.Random(seed)
+    for step in range(1, steps + 1):
+        if len(data) < BATCH:
+            data = signature_match_examples(tok, states, seed=rng.randrange(2**31))
+            rng.shuffle(data)
+        batch, data = data[:BATCH], data[BATCH:]
+        logits = torch.cat([head(h).squeeze(-1) for h in hidden(model, batch)])  # (labelled positions,)
+        loss = F.binary_cross_entropy_with_logits(logits, torch.tensor([x for _, _, ls in batch for x in ls]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *head.parameters()], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % every == 0 or step == steps:
+            row = {"step": step, "loss": sum(losses[-every:]) / len(losses[-every:])} | accuracy(model, head, held)
+            curve.append(row)
+            print(f"{name}: step {step}/{steps} loss {row['loss']:.3f} held-out accuracy answer {row['answer']:.2f} "
+                  f"fields {row['fields']:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return {"curve": curve, "seconds": time.perf_counter() - t0, "lr": lr}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--labeller", required=True, help="a signed prior: probed as it is, then told the match")
+    ap.add_argument("--sizes", nargs="*", type=size, default=[(4, 128)], metavar="LAYERSxWIDTH",
+                    help="fresh models told the match too (the labeller's tokenizer)")
+    ap.add_argument("--houses", type=int, default=8, help="house draws per dev variation whose states it trains at")
+    ap.add_argument("--steps", type=int, default=3000, help=f"batches of {BATCH} prompts per model told the match")
+    ap.add_argument("--lr", type=float, default=1e-3, help="the labeller's (a reader round's); fresh models 3x")
+    ap.add_argument("--every", type=int, default=250, help="steps between held-out evaluations")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "signature_probe.json"))
+    args = ap.parse_args()
+    if min(args.houses, args.steps, args.every) < 1 or args.lr <= 0:
+        ap.error("--houses, --steps, --every and --lr must be positive")
+    torch.set_num_threads(args.threads)
+    labeller, tok, states, held_states = labeller_and_states(args.labeller, args.houses, args.seed)
+    train, held = (signature_match_examples(tok, s, seed=args.seed) for s in (states, held_states))
+    answers = [ls[-1] for _, _, ls in held]
+    fields = [x for _, _, ls in held for x in ls[:-1]]
+    majority = {"answer": max(sum(answers), len(answers) - sum(answers)) / len(answers),
+                "fields": max(sum(fields), len(fields) - sum(fields)) / len(fields)}
+    print(f"{len(states)} decision states, {len(held_states)} held out ({len(held)} prompts); majority answer "
+          f"{majority['answer']:.2f}, fields {majority['fields']:.2f}", flush=True)
+
+    probe = linear_probe(labeller, train, held)
+    print("| layer | linear probe accuracy: fitted / held out |\n|---|---|")
+    for row in probe:
+        print(f"| {row['layer']} | {row['train']:.2f} / {row['held_out']:.2f} |", flush=True)
+
+    results = {"labeller": told(copy.deepcopy(labeller), tok, states, held, args.steps, args.lr, args.seed, args.every,
+                                "labeller")}
+    for layers, width in args.sizes:
+        fresh = build_tiny_model(tok, args.seed, hidden_size=width, num_layers=layers)
+        name = f"{layers}x{width}"
+        results[name] = told(fresh, tok, states, held, args.steps, 3 * args.lr, args.seed, args.every, name)
+        results[name]["parameters"] = sum(p.numel() for p in fresh.parameters())
+    print("| model told the match | steps | held-out accuracy: answer / fields (majority "
+          f"{majority['answer']:.2f} / {majority['fields']:.2f}) |\n|---|---|---|")
+    for name, res in results.items():
+        last = res["curve"][-1]
+        print(f"| {name} | {last['step']} | {last['answer']:.2f} / {last['fields']:.2f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "args": vars(args), "states": len(states),
+                               "held_out_states": len(held_states), "majority": majority, "linear_probe": probe,
+                               "told": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
