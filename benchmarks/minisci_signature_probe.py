@@ -47,15 +47,17 @@ from empo2.prior_tips import signature_match_examples  # noqa: E402
 BATCH = 8
 
 
-def hidden(model, batch: list[tuple], layer: int | None = None) -> torch.Tensor | list[torch.Tensor]:
-    """Hidden states at each example's labelled positions: the last layer's, one (positions, width) tensor per
-    example; with `layer`, that layer's at the prompt's last token only, (examples, width)."""
+def hidden_states(model, batch: list[tuple]) -> tuple[torch.Tensor, ...]:
+    """Every layer's hidden states (embeddings first) of a batch of examples: layers + 1 of (B, T, width)."""
     width = max(len(ids) for ids, _, _ in batch)
     ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in batch])  # (B, T); right padding, causal
-    states = model.model(input_ids=ids, output_hidden_states=True).hidden_states  # layers + 1 of (B, T, width)
-    if layer is not None:
-        return torch.stack([states[layer][n, pos[-1]] for n, (_, pos, _) in enumerate(batch)])
-    return [states[-1][n, pos] for n, (_, pos, _) in enumerate(batch)]
+    return model.model(input_ids=ids, output_hidden_states=True).hidden_states
+
+
+def at_labels(model, batch: list[tuple]) -> list[torch.Tensor]:
+    """The last layer's state at each example's labelled positions: one (positions, width) per example."""
+    last = hidden_states(model, batch)[-1]
+    return [last[n, pos] for n, (_, pos, _) in enumerate(batch)]
 
 
 def logistic(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -79,11 +81,20 @@ def linear_probe(model, train: list[tuple], held: list[tuple]) -> list[dict]:
     model.eval()
     y_train = torch.tensor([labels[-1] for _, _, labels in train])
     y_held = torch.tensor([labels[-1] for _, _, labels in held])
-    rows = []
-    for layer in range(model.config.num_hidden_layers + 1):
+
+    def answers(data: list[tuple]) -> torch.Tensor:  # (examples, layers + 1, width) at the prompt's last token
+        out = []
         with torch.no_grad():
-            x_train, x_held = (torch.cat([hidden(model, data[k:k + 16], layer) for k in range(0, len(data), 16)])
-                               for data in (train, held))
+            for k in range(0, len(data), 16):
+                batch = data[k:k + 16]
+                layers = torch.stack(hidden_states(model, batch), 1)  # (B, layers + 1, T, width)
+                out.append(torch.stack([layers[n, :, len(ids) - 1] for n, (ids, _, _) in enumerate(batch)]))
+        return torch.cat(out)
+
+    every_train, every_held = answers(train), answers(held)
+    rows = []
+    for layer in range(every_train.shape[1]):
+        x_train, x_held = every_train[:, layer], every_held[:, layer]
         mean, std = x_train.mean(0), x_train.std(0) + 1e-6
         x_train, x_held = (x_train - mean) / std, (x_held - mean) / std
         w = logistic(x_train, y_train)
@@ -101,7 +112,7 @@ def accuracy(model, head, held: list[tuple]) -> dict:
     with torch.no_grad():
         for k in range(0, len(held), 16):
             batch = held[k:k + 16]
-            for h, (_, _, labels) in zip(hidden(model, batch), batch, strict=True):
+            for h, (_, _, labels) in zip(at_labels(model, batch), batch, strict=True):
                 right = ((head(h).squeeze(-1) > 0).float() == torch.tensor(labels)).tolist()
                 hits["answer"].append(right[-1])
                 hits["fields"] += right[:-1]
@@ -122,7 +133,7 @@ def told(model, tok, states: list, held: list[tuple], steps: int, lr: float, see
             data = signature_match_examples(tok, states, seed=rng.randrange(2**31))
             rng.shuffle(data)
         batch, data = data[:BATCH], data[BATCH:]
-        logits = torch.cat([head(h).squeeze(-1) for h in hidden(model, batch)])  # (labelled positions,)
+        logits = torch.cat([head(h).squeeze(-1) for h in at_labels(model, batch)])  # (labelled positions,)
         loss = F.binary_cross_entropy_with_logits(logits, torch.tensor([x for _, _, ls in batch for x in ls]))
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *head.parameters()], 1.0)
