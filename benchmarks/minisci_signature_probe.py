@@ -13,7 +13,9 @@ house's signature; only the signature differs):
 2. told directly: the labeller itself and fresh models of the given sizes, each with a linear head trained on the
    match (binary cross-entropy at the last token of every signature field and at the prompt's last token,
    the model trained with it), donors redrawn every pass; held-out accuracy against the majority answer as it
-   trains. A model that learns neither has no way to read the signature at these budgets, whatever the data.
+   trains. A model that learns neither has no way to read the signature at these budgets, whatever the data;
+3. whether the match, once told, moves the labeller's actions with no action trained (`decision_shift` on the
+   held-out states before and after). `--save` keeps each told model and its head for later probes.
 
     python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 \\
         --out benchmarks/minisci_tips/signature_probe.json
@@ -42,7 +44,7 @@ quiet_libraries()
 from minisci_signature_capacity import labeller_and_states, size  # noqa: E402
 
 from empo2.models import build_tiny_model  # noqa: E402
-from empo2.prior_tips import signature_match_examples  # noqa: E402
+from empo2.prior_tips import decision_shift, signature_match_examples  # noqa: E402
 
 BATCH = 8
 
@@ -145,7 +147,8 @@ def told(model, tok, states: list, held: list[tuple], steps: int, lr: float, see
             curve.append(row)
             print(f"{name}: step {step}/{steps} loss {row['loss']:.3f} held-out accuracy answer {row['answer']:.2f} "
                   f"fields {row['fields']:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return {"curve": curve, "seconds": time.perf_counter() - t0, "lr": lr}
+    model.eval()
+    return {"curve": curve, "seconds": time.perf_counter() - t0, "lr": lr, "head": head}
 
 
 def main() -> None:
@@ -160,6 +163,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "signature_probe.json"))
+    ap.add_argument("--save", help="a folder to save each told model in (its match head as match_head.pt)")
     args = ap.parse_args()
     if min(args.houses, args.steps, args.every) < 1 or args.lr <= 0:
         ap.error("--houses, --steps, --every and --lr must be positive")
@@ -178,13 +182,30 @@ def main() -> None:
     for row in probe:
         print(f"| {row['layer']} | {row['train']:.2f} / {row['held_out']:.2f} |", flush=True)
 
-    results = {"labeller": told(copy.deepcopy(labeller), tok, states, held, args.steps, args.lr, args.seed, args.every,
+    models = {"labeller": copy.deepcopy(labeller)}
+    results = {"labeller": told(models["labeller"], tok, states, held, args.steps, args.lr, args.seed, args.every,
                                 "labeller")}
     for layers, width in args.sizes:
-        fresh = build_tiny_model(tok, args.seed, hidden_size=width, num_layers=layers)
         name = f"{layers}x{width}"
-        results[name] = told(fresh, tok, states, held, args.steps, 3 * args.lr, args.seed, args.every, name)
-        results[name]["parameters"] = sum(p.numel() for p in fresh.parameters())
+        models[name] = build_tiny_model(tok, args.seed, hidden_size=width, num_layers=layers)
+        results[name] = told(models[name], tok, states, held, args.steps, 3 * args.lr, args.seed, args.every, name)
+        results[name]["parameters"] = sum(p.numel() for p in models[name].parameters())
+    # Whether the match, once in the labeller, moves its actions with no action trained: P(gold action) tip-free /
+    # own tip / re-signed on the held-out states, before and after (its LM head shares the embeddings it was told on).
+    results["labeller"]["decision_shift"] = {"before": decision_shift(labeller, tok, held_states),
+                                             "after": decision_shift(models["labeller"], tok, held_states)}
+    for name, model in models.items():
+        head = results[name].pop("head")
+        if args.save:  # the told model and its match head, for what a later probe asks of them
+            folder = Path(args.save) / name
+            model.save_pretrained(folder)
+            tok.save_pretrained(folder)
+            torch.save(head.state_dict(), folder / "match_head.pt")
+    shift = results["labeller"]["decision_shift"]
+    print("| labeller, P(gold action) held out | tip-free / own gold tip / re-signed |\n|---|---|")
+    for when in ("before", "after"):
+        cells = " / ".join(f"{shift[when][k]['gold']:.2f}" for k in ("tip_free", "own", "resigned"))
+        print(f"| {when} | {cells} |")
     print("| model told the match | steps | held-out accuracy: answer / fields (majority "
           f"{majority['answer']:.2f} / {majority['fields']:.2f}) |\n|---|---|---|")
     for name, res in results.items():
