@@ -834,6 +834,7 @@ def test_signature_match_labels_each_field_of_every_tip_and_the_whole_signature_
         assert min(labels) == float(said == own)  # a re-signed prompt differs from its own in some field
         for k, (p, label) in enumerate(zip(positions[:-1], labels[:-1], strict=True)):
             field = fields[k % len(fields)]
-            before, through = len(tok.decode(ids[:p])), tok.decode(ids[:p + 1])
-            assert field in through[max(0, before - len(field)):] and through.rstrip(",.").endswith(field)
+            # token p completes the field (with the comma or full stop after it, should a merge join them)
+            before, through = tok.decode(ids[:p]), tok.decode(ids[:p + 1])
+            assert through.rstrip(",.").endswith(field) and not before.endswith(field)
             assert label == float(field == own.split(", ")[k % len(fields)])
