@@ -17,8 +17,10 @@ house's signature; only the signature differs):
 3. whether the match, once told, moves the labeller's actions with no action trained (`decision_shift` on the
    held-out states before and after). `--save` keeps each told model and its head for later probes.
 
-    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 \\
+    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 --steps 4000 \\
         --out benchmarks/minisci_tips/signature_probe.json
+    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 12000 \\
+        --every 1000 --out benchmarks/minisci_tips/signature_probe_long.json   # the turn comes after ~7,000 steps
 """
 
 from __future__ import annotations
