@@ -34,6 +34,7 @@ Built on first use (deterministic for a seed), written atomically and cached und
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from collections.abc import Callable
@@ -924,27 +925,28 @@ def signature_match_examples(tok, states: list[DecisionState], seed: int = 0) ->
         own = state.gold.signature
         for signature in (own, donor.gold.signature):
             ids = decision_prompt(builder, state, [resign(hindsight_tip(state.gold, True), signature)])
-            ends = _token_ends(tok, ids)
-            text, said = tok.decode(ids), f"{SIGNATURE_HEAD}{signature}."
+            text, ends = _decode_with_ends(tok, ids)
+            said = f"{SIGNATURE_HEAD}{signature}."
             positions, labels = [], []
             at = text.find(said)
             while at >= 0:
                 start = at + len(SIGNATURE_HEAD)
                 for field, mine in zip(signature.split(", "), own.split(", "), strict=True):
                     start = text.index(field, start) + len(field)  # the field's last character ends here
-                    positions.append(next(k for k, end in enumerate(ends) if end >= start))
+                    positions.append(bisect.bisect_left(ends, start))  # the token that holds that character
                     labels.append(float(field == mine))
                 at = text.find(said, start)
             out.append((ids, [*positions, len(ids) - 1], [*labels, float(signature == own)]))
     return out
 
 
-def _token_ends(tok, ids: list[int]) -> list[int]:
-    """Where each token of `ids` ends in `tok.decode(ids)` (character offsets)."""
+def _decode_with_ends(tok, ids: list[int]) -> tuple[str, list[int]]:
+    """`tok.decode(ids)` and where each token ends in it (character offsets, non-decreasing)."""
+    text = tok.decode(ids)
     ends, n = [], 0
     for i in ids:
         n += len(tok.decode([i]))
         ends.append(n)
-    if n != len(tok.decode(ids)):
+    if n != len(text):
         raise ValueError("the tokenizer does not decode token by token; offsets would be wrong")
-    return ends
+    return text, ends
