@@ -29,7 +29,6 @@ import argparse
 import copy
 import json
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -45,8 +44,15 @@ quiet_libraries()
 
 from minisci_signature_capacity import labeller_and_states, size  # noqa: E402
 
-from empo2.models import build_tiny_model  # noqa: E402
-from empo2.prior_tips import decision_shift, signature_match_examples  # noqa: E402
+from empo2.config import MINISCI_TIPS_LAYOUT  # noqa: E402
+from empo2.models import build_tiny_model, save_cached_checkpoint  # noqa: E402
+from empo2.prior_tips import (  # noqa: E402
+    decision_shift,
+    signature_match_accuracy,
+    signature_match_batches,
+    signature_match_examples,
+    signature_match_loss,
+)
 
 BATCH = 8
 
@@ -56,12 +62,6 @@ def hidden_states(model, batch: list[tuple]) -> tuple[torch.Tensor, ...]:
     width = max(len(ids) for ids, _, _ in batch)
     ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in batch])  # (B, T); right padding, causal
     return model.model(input_ids=ids, output_hidden_states=True).hidden_states
-
-
-def at_labels(model, batch: list[tuple]) -> list[torch.Tensor]:
-    """The last layer's state at each example's labelled positions: one (positions, width) per example."""
-    last = hidden_states(model, batch)[-1]
-    return [last[n, pos] for n, (_, pos, _) in enumerate(batch)]
 
 
 def logistic(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -109,21 +109,6 @@ def linear_probe(model, train: list[tuple], held: list[tuple]) -> list[dict]:
     return rows
 
 
-def accuracy(model, head, held: list[tuple]) -> dict:
-    """Held-out accuracy at the prompt's last token and at the signature fields."""
-    model.eval()
-    hits = {"answer": [], "fields": []}
-    with torch.no_grad():
-        for k in range(0, len(held), 16):
-            batch = held[k:k + 16]
-            for h, (_, _, labels) in zip(at_labels(model, batch), batch, strict=True):
-                right = ((head(h).squeeze(-1) > 0).float() == torch.tensor(labels)).tolist()
-                hits["answer"].append(right[-1])
-                hits["fields"] += right[:-1]
-    model.train()
-    return {k: sum(v) / len(v) for k, v in hits.items()}
-
-
 def told(model, tok, states: list, held: list[tuple], steps: int, lr: float, seed: int, every: int,
          name: str) -> dict:
     """Train `model` with a linear head on the match, donors redrawn every pass; the held-out curve."""
@@ -131,21 +116,17 @@ def told(model, tok, states: list, held: list[tuple], steps: int, lr: float, see
     head = torch.nn.Linear(model.config.hidden_size, 1)
     opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=lr, weight_decay=0.0)
     model.train()
-    data, curve, losses, t0, rng = [], [], [], time.perf_counter(), random.Random(seed)
-    for step in range(1, steps + 1):
-        if len(data) < BATCH:
-            data = signature_match_examples(tok, states, seed=rng.randrange(2**31))
-            rng.shuffle(data)
-        batch, data = data[:BATCH], data[BATCH:]
-        logits = torch.cat([head(h).squeeze(-1) for h in at_labels(model, batch)])  # (labelled positions,)
-        loss = F.binary_cross_entropy_with_logits(logits, torch.tensor([x for _, _, ls in batch for x in ls]))
+    curve, losses, t0 = [], [], time.perf_counter()
+    for step, batch in zip(range(1, steps + 1), signature_match_batches(tok, states, seed, BATCH)):
+        loss = signature_match_loss(model, head, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *head.parameters()], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step % every == 0 or step == steps:
-            row = {"step": step, "loss": sum(losses[-every:]) / len(losses[-every:])} | accuracy(model, head, held)
+            row = {"step": step, "loss": sum(losses[-every:]) / len(losses[-every:])}
+            row |= signature_match_accuracy(model, head, held)
             curve.append(row)
             print(f"{name}: step {step}/{steps} loss {row['loss']:.3f} held-out accuracy answer {row['answer']:.2f} "
                   f"fields {row['fields']:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -199,9 +180,10 @@ def main() -> None:
     for name, model in models.items():
         head = results[name].pop("head")
         if args.save:  # the told model and its match head, for what a later probe asks of them
-            folder = Path(args.save) / name
-            model.save_pretrained(folder)
-            tok.save_pretrained(folder)
+            folder = Path(args.save) / name  # a project checkpoint: a round (--start) or a calibration loads it
+            save_cached_checkpoint(model, tok, {"probe_of": args.labeller if name == "labeller" else None,
+                                                "told_the_match": results[name]["curve"][-1],
+                                                "prompt_layout": MINISCI_TIPS_LAYOUT, "tip_signature": True}, folder)
             torch.save(head.state_dict(), folder / "match_head.pt")
     shift = results["labeller"]["decision_shift"]
     print("| labeller, P(gold action) held out | tip-free / own gold tip / re-signed |\n|---|---|")

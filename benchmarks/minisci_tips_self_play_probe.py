@@ -57,6 +57,10 @@ from empo2.prior_tips import (
     decision_states,
     reader_examples,
     self_play_examples,
+    signature_match_accuracy,
+    signature_match_batches,
+    signature_match_examples,
+    signature_match_loss,
     tips_signed,
 )
 
@@ -86,6 +90,12 @@ def main() -> None:
     ap.add_argument("--resign", action="store_true",
                     help="at decision states, the instance's own tips re-signed with another house's signature in "
                          "place of that house's tips: the signature the only difference (a capacity test)")
+    ap.add_argument("--match-weight", type=float, default=0.0,
+                    help="with --decisions: also train a linear head on the last hidden layer to tell whether each "
+                         "signature field, and the whole signature, is the instance's own "
+                         "(prior_tips.signature_match_loss on re-signed pairs of the decision states, one batch of 8 "
+                         "per step, this weight); the head starts from --start's match_head.pt when it has one "
+                         "(benchmarks/minisci_signature_probe.py --save) and is saved beside the checkpoint")
     ap.add_argument("--replay-kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="kinds of stage-1 sequence mixed in (MISLED teaches searching after a tip proved wrong, the "
                          "opposite of what --foreign teaches after another house's tip proved wrong)")
@@ -111,6 +121,8 @@ def main() -> None:
     if unknown:
         ap.error(f"--decision-families {' '.join(unknown)}: not an in-distribution family (one of "
                  f"{', '.join(in_distribution)})")
+    if args.match_weight < 0 or (args.match_weight and not args.decisions):
+        ap.error("--match-weight asks for the signature at the --decisions states: give --decisions and a weight >= 0")
     if args.resign and not args.decisions:
         ap.error("--resign re-signs the tips of --decisions states; give --decisions too")
     if args.learn == "none" and not (args.decisions or args.foreign):
@@ -144,6 +156,10 @@ def main() -> None:
     except FileNotFoundError as e:  # not built yet: say so in one line
         raise SystemExit(str(e)) from None
     scripted = [(ids, kinds) for kind, ids, kinds in sequences if kind in args.replay_kinds]
+    torch.manual_seed(args.seed)
+    head = torch.nn.Linear(model.config.hidden_size, 1)  # the match head (--match-weight); trained only with it
+    if args.match_weight and args.start and (Path(args.start) / "match_head.pt").is_file():
+        head.load_state_dict(torch.load(Path(args.start) / "match_head.pt"))
     rng = random.Random(args.seed)
     tuning = dataclasses.replace(settings, epochs=args.epochs, lr=args.lr, seed=args.seed)
     own, rounds = [], []
@@ -173,6 +189,13 @@ def main() -> None:
                 print(f"decision states: {len(states)}; held-out shift before: {played['decisions']}", flush=True)
                 own += decision_examples(model, tok, states, args.foreign_per_state, seed=args.seed + it,
                                           resigned=args.resign)
+                if args.match_weight:
+                    held_match = signature_match_examples(tok, held, seed=args.seed + it)
+                    played["decisions"]["match_held_out_before"] = signature_match_accuracy(model, head, held_match)
+                    batches = signature_match_batches(tok, states, seed=args.seed + it)
+
+                    def auxiliary(batches=batches):
+                        return args.match_weight * signature_match_loss(model, head, next(batches))
             for kind in args.foreign:
                 examples, played[f"foreign_{kind}"] = reader_examples(model, tok, seed=args.seed + 1000 * it,
                                                                       foreign=kind, signature=signature,
@@ -181,15 +204,24 @@ def main() -> None:
             mix = own + rng.sample(scripted, min(len(scripted), round(args.replay * len(own))))
             played["fine_tune"] = behaviour_clone(model, mix, tuning, tok.pad_token_id,
                                                   name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,
-                                                  lm_weight=settings.lm_weight)
+                                                  lm_weight=settings.lm_weight,
+                                                  auxiliary=auxiliary if args.match_weight else None,
+                                                  auxiliary_params=list(head.parameters()))
         if args.decisions:
             played["decisions"] |= {"held_out_after": decision_shift(model, tok, held),
                                     "trained_after": decision_shift(model, tok, trained)}
+            if args.match_weight:
+                played["decisions"]["match_held_out_after"] = signature_match_accuracy(model, head, held_match)
+                print(f"held-out signature match, answer / fields: before "
+                      f"{played['decisions']['match_held_out_before']}, after "
+                      f"{played['decisions']['match_held_out_after']}", flush=True)
         rounds.append(played)
         print(json.dumps(played))
     save_cached_checkpoint(model, tok, {"probe_of": str(path), "args": vars(args), "self_play": rounds,
                                         "prompt_layout": MINISCI_TIPS_LAYOUT, "tip_signature": signature},
                            Path(args.out))
+    if args.match_weight:
+        torch.save(head.state_dict(), Path(args.out) / "match_head.pt")
     print(f"wrote {args.out}")
 
 

@@ -22,6 +22,7 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -163,17 +164,22 @@ def _epoch_order(rng: random.Random, lengths: list[int], batch_size: int, by_len
 
 
 def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc",
-                    by_length: bool = False, lm_weight: float = 0.0) -> dict:
+                    by_length: bool = False, lm_weight: float = 0.0,
+                    auxiliary: Callable[[], torch.Tensor] | None = None,
+                    auxiliary_params: list[torch.nn.Parameter] | tuple = ()) -> dict:
     """`clone_loss` over (ids, kinds) or (ids, kinds, probs) sequences, AdamW with a cosine schedule; returns
     training stats.
-    `by_length` batches sequences of similar length together (worth it when lengths spread widely)."""
+    `by_length` batches sequences of similar length together (worth it when lengths spread widely).
+    `auxiliary`, called once per step, returns a loss added to the clone loss (a second objective on its own
+    batches, e.g. `prior_tips.signature_match_loss`); `auxiliary_params` (a head it trains) join the optimizer."""
     rng = random.Random(settings.seed)
     lengths = [len(ex[0]) for ex in examples]
     steps = max(1, math.ceil(settings.epochs * len(examples) / settings.batch_size))
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    params = [*model.parameters(), *auxiliary_params]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     model.train()
-    t0, losses = time.perf_counter(), []
+    t0, losses, aux_losses = time.perf_counter(), [], []
     order: list[int] = []
     for step in range(steps):
         if len(order) < settings.batch_size:
@@ -185,18 +191,24 @@ def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=prin
         # pad token, and the unmasked causal kernel skips the masked half of the attention (~30% per step).
         loss, target_nll = clone_loss(model(input_ids=ids).logits, ids, kinds, lm_weight,
                                       torch.cat(soft) if soft else None)
+        if auxiliary is not None:
+            extra = auxiliary()
+            loss = loss + extra
+            aux_losses.append(extra.item())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(target_nll.item())
         if step % 50 == 0 or step == steps - 1:
-            log(f"{name}: step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
+            extra = f" auxiliary {sum(aux_losses[-50:]) / len(aux_losses[-50:]):.3f}" if aux_losses else ""
+            log(f"{name}: step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f}{extra} "
                 f"({time.perf_counter() - t0:.0f} s)")
     model.eval()
-    return {"steps": steps, "examples": len(examples), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "seconds": time.perf_counter() - t0}
+    stats = {"steps": steps, "examples": len(examples), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+             "seconds": time.perf_counter() - t0}
+    return stats | ({"final_auxiliary_loss": sum(aux_losses[-20:]) / len(aux_losses[-20:])} if aux_losses else {})
 
 
 def build_minisci_bc(settings: BCSettings, log=print):

@@ -940,6 +940,51 @@ def signature_match_examples(tok, states: list[DecisionState], seed: int = 0) ->
     return out
 
 
+def signature_match_batches(tok, states: list[DecisionState], seed: int = 0, size: int = 8):
+    """Endless shuffled batches of `signature_match_examples`, another house redrawn per state every pass (so
+    no one pairing of signatures is learned by heart)."""
+    rng, data = random.Random(seed), []
+    while True:
+        if len(data) < size:
+            data = signature_match_examples(tok, states, seed=rng.randrange(2**31))
+            rng.shuffle(data)
+        batch, data = data[:size], data[size:]
+        yield batch
+
+
+def signature_match_logits(model, head: torch.nn.Module, batch: list[tuple]) -> torch.Tensor:
+    """The match head's logits at every labelled position of a batch of `signature_match_examples`, in order
+    (labelled positions,): `head` (width -> 1) on the model's last hidden layer there."""
+    width = max(len(ids) for ids, _, _ in batch)
+    ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in batch])  # (B, T); right padding, causal
+    last = model.model(input_ids=ids).last_hidden_state  # (B, T, width)
+    return torch.cat([head(last[n, pos]).squeeze(-1) for n, (_, pos, _) in enumerate(batch)])
+
+
+def signature_match_loss(model, head: torch.nn.Module, batch: list[tuple]) -> torch.Tensor:
+    """Mean binary cross-entropy of the match head over a batch of `signature_match_examples`."""
+    labels = torch.tensor([x for _, _, ls in batch for x in ls])
+    return torch.nn.functional.binary_cross_entropy_with_logits(signature_match_logits(model, head, batch), labels)
+
+
+def signature_match_accuracy(model, head: torch.nn.Module, examples: list[tuple]) -> dict:
+    """How often the match head is right (logit > 0 for a match) on `signature_match_examples`: at the prompt's
+    last token ("answer") and at the signature fields ("fields")."""
+    was_training, hits = model.training, {"answer": [], "fields": []}
+    model.eval()
+    with torch.no_grad():
+        for k in range(0, len(examples), 16):
+            batch = examples[k:k + 16]
+            right = ((signature_match_logits(model, head, batch) > 0).float()
+                     == torch.tensor([x for _, _, ls in batch for x in ls])).tolist()
+            for _, pos, _ in batch:  # each example's labels: its fields, then the answer
+                hits["fields"] += right[:len(pos) - 1]
+                hits["answer"].append(right[len(pos) - 1])
+                right = right[len(pos):]
+    model.train(was_training)
+    return {k: sum(v) / len(v) for k, v in hits.items()}
+
+
 def _decode_with_ends(tok, ids: list[int]) -> tuple[str, list[int]]:
     """`tok.decode(ids)` and where each token ends in it (character offsets, non-decreasing)."""
     text = tok.decode(ids)

@@ -127,6 +127,39 @@ def test_soft_targets_are_cross_entropy_to_their_distribution_and_its_gradient_i
     assert stats["steps"] == 2 and math.isfinite(stats["final_loss"])
 
 
+def test_an_auxiliary_loss_trains_its_head_beside_the_clone_and_a_zero_one_changes_nothing():
+    """`behaviour_clone(auxiliary=...)`: the auxiliary loss is added each step and its parameters are trained with
+    the model; an auxiliary that is identically zero leaves the clone's update exactly as without one."""
+    tok = build_bpe_tokenizer(["a b c d e f"], 270)
+    examples = [([5, 6, 7, 8], [CONTEXT, CONTEXT, TARGET, TARGET]), ([5, 7, 6, 9], [CONTEXT, TARGET, TARGET, TARGET])]
+    settings = BCSettings(epochs=3, batch_size=2)
+
+    def trained(auxiliary=None, params=()):
+        model = build_tiny_model(tok, 0, hidden_size=32, num_layers=1, num_heads=2)
+        stats = behaviour_clone(model, examples, settings, pad_id=0, log=lambda _: None, auxiliary=auxiliary,
+                                auxiliary_params=params)
+        return model, stats
+
+    plain, stats = trained()
+    assert "final_auxiliary_loss" not in stats
+    head = torch.nn.Parameter(torch.ones(3))
+    zero, _ = trained(lambda: 0.0 * head.sum(), [head])
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), zero.state_dict().values(),
+                                                    strict=True))
+    target = torch.tensor([2.0, -1.0, 0.5])
+    calls = []
+
+    def auxiliary():
+        calls.append(1)
+        return (head - target).square().sum()
+
+    _, stats = trained(auxiliary, [head])
+    assert len(calls) == stats["steps"] == 3
+    assert stats["final_auxiliary_loss"] > 0 and not torch.equal(head.detach(), torch.ones(3))
+    # each coordinate moved towards its target (AdamW's first steps move every coordinate by about lr)
+    assert ((head.detach() - torch.ones(3)).sign() == (target - torch.ones(3)).sign()).all()
+
+
 def test_cloning_fits_a_handful_of_demonstrations(episodes):
     tok = build_bpe_tokenizer([t for _, turns in episodes[:8] for pair in turns for t in pair], 400)
     builder = PromptBuilder(tok, max_prompt_tokens=512, history_turns=2)

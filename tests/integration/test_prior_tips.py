@@ -4,6 +4,7 @@ the episode's observations showed, actions with tips that follow what the tips s
 
 import dataclasses
 import json
+import math
 import random
 import re
 
@@ -49,7 +50,11 @@ from empo2.prior_tips import (
     replay,
     resign,
     self_play_examples,
+    signature_match_accuracy,
+    signature_match_batches,
     signature_match_examples,
+    signature_match_logits,
+    signature_match_loss,
     tips_signed,
     training_sequences,
 )
@@ -838,3 +843,38 @@ def test_signature_match_labels_each_field_of_every_tip_and_the_whole_signature_
             before, through = tok.decode(ids[:p]), tok.decode(ids[:p + 1])
             assert through.rstrip(",.").endswith(field) and not before.endswith(field)
             assert label == float(field == own.split(", ")[k % len(fields)])
+
+
+def test_the_match_loss_is_per_example_binary_cross_entropy_and_accuracy_splits_answer_from_fields(small_policy):
+    """Batched (right-padded) logits equal each example's own forward; the loss is their mean BCE; a head that
+    answers "own" everywhere scores the share of 1 labels at the answer and at the fields; every pass of
+    `signature_match_batches` holds each prompt once."""
+    model, tok = small_policy
+    states = _decision_states(2)
+    examples = signature_match_examples(tok, states, seed=0)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    torch.nn.init.normal_(head.weight, generator=torch.Generator().manual_seed(0))
+    batch = examples[:5]
+    with torch.no_grad():
+        batched = signature_match_logits(model, head, batch)
+        alone = torch.cat([signature_match_logits(model, head, [ex]) for ex in batch])
+        loss = signature_match_loss(model, head, batch)
+    assert batched.shape == (sum(len(pos) for _, pos, _ in batch),)
+    assert torch.allclose(batched, alone, atol=1e-5)
+    labels = [x for _, _, ls in batch for x in ls]
+    by_hand = sum(-math.log(torch.sigmoid(z if y else -z).item()) for z, y in zip(batched, labels, strict=True))
+    assert loss.item() == pytest.approx(by_hand / len(labels), rel=1e-5)
+
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.constant_(head.bias, 1.0)  # logit > 0 everywhere: "own"
+    accuracy = signature_match_accuracy(model, head, examples)
+    answers = [ls[-1] for _, _, ls in examples]
+    fields = [x for _, _, ls in examples for x in ls[:-1]]
+    assert accuracy["answer"] == pytest.approx(sum(answers) / len(answers)) == pytest.approx(0.5)
+    assert accuracy["fields"] == pytest.approx(sum(fields) / len(fields)) and 0.5 < accuracy["fields"] < 1
+
+    batches = signature_match_batches(tok, states, seed=0, size=4)
+    first = [next(batches) for _ in range(len(examples) // 4)]
+    assert all(len(b) == 4 for b in first)
+    seen = sorted(tuple(ids) for b in first for ids, _, _ in b)
+    assert len(set(seen)) == len(seen)  # no prompt twice within a pass
