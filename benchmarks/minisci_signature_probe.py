@@ -21,6 +21,8 @@ house's signature; only the signature differs):
         --out benchmarks/minisci_tips/signature_probe.json
     python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 12000 \\
         --every 1000 --out benchmarks/minisci_tips/signature_probe_long.json   # the turn comes after ~7,000 steps
+    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 10000 \\
+        --every 1000 --save outputs/priors/told-v7 --out benchmarks/minisci_tips/signature_probe_told.json
 """
 
 from __future__ import annotations

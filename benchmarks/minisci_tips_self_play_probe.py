@@ -24,7 +24,9 @@ under the instance's own signed tips, the tip-free distribution under another ho
 (`prior_tips.decision_examples`; `--learn none` trains on these alone; `--resign`: the instance's own tips
 re-signed with another house's signature in place of that house's tips, so that only the signature tells the
 prompts apart), and prints the decision-state shift on held-out house draws, and on about 300 of the states it
-trains at, before and after (`prior_tips.decision_shift`);
+trains at, before and after (`prior_tips.decision_shift`); `--match-weight W` also asks for the signature match
+itself at those states, as an auxiliary loss of weight W beside the actions (`prior_tips.signature_match_loss`,
+a linear head on the last hidden layer; held-out accuracy before and after);
 `--replay-kinds` chooses which kinds of stage-1 sequence are mixed in. Writes a project checkpoint that the
 calibration loads with
 
