@@ -208,7 +208,7 @@ def main() -> None:
                                                   name=f"fine-tune {it + 1}/{args.iterations}", by_length=True,
                                                   lm_weight=settings.lm_weight,
                                                   auxiliary=auxiliary if args.match_weight else None,
-                                                  auxiliary_params=list(head.parameters()))
+                                                  auxiliary_params=list(head.parameters()) if args.match_weight else ())
         if args.decisions:
             played["decisions"] |= {"held_out_after": decision_shift(model, tok, held),
                                     "trained_after": decision_shift(model, tok, trained)}
