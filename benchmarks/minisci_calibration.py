@@ -135,17 +135,19 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
     from empo2.envs.minisci.env import build
     from empo2.envs.minisci.layout import Difficulty
     from empo2.memory import TipMemory
-    from empo2.prior_tips import hindsight_tip, replay
+    from empo2.prior_tips import SIGNATURE_HEAD, hindsight_tip, replay
 
     collector = build_collector(cfg, model, tok, len(tasks))
     scores, success, wrong_focus, truths, exact, t0 = [], [], [], [], [], time.perf_counter()
     house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
     difficulty = Difficulty(**house)
     replay_env = make_env("minisci", **{**env_kwargs(cfg), "max_steps": 100})
-    true_rooms = []
+    true_rooms, signed = [], []  # signed: how a tip about each instance opens (`prior_tips.hindsight_tip`)
     for spec in tasks:
         world, task = build(spec.task, spec.variation, difficulty)
         true_rooms.append({thing: world.room_of(thing) for thing in task.sought})
+        signed.append(f"{SIGNATURE_HEAD}{task.signature}.")
+    signed_right = []
     for r in range(rounds):
         batch = collector.collect(tasks, 1, iteration=r, generator=torch.Generator().manual_seed(seed + r))
         trs = batch.trajectories
@@ -155,6 +157,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
         success.append(statistics.fmean(tr.won for tr in trs))
         wrong_focus.append(statistics.fmean(tr.length < cfg.env.max_steps and not tr.won for tr in trs))
         truths += [tip_is_true(tr.tip, rooms) for tr, rooms in zip(trs, true_rooms)]
+        signed_right += [bool(tr.tip) and tr.tip.startswith(head) for tr, head in zip(trs, signed)]
         for spec, tr in zip(tasks, trs):  # the tip the episode supports, from its actions replayed
             ep = replay(replay_env, spec.task, spec.variation, house, tr, tok, cfg.env.max_steps)
             exact.append(ep is not None and tr.tip == hindsight_tip(ep, signature))
@@ -164,12 +167,18 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
     # irrelevant tips only: each instance's namespace gets the tips written for the next instance
     own = collector.memory
     foreign = TipMemory(own.dim, **{k: v for k, v in own.config().items() if k != "dim"})
+    # whether any of them opens with this instance's own signature, as written (the writer's slip, when the
+    # donor's task differs) or rightly (two instances whose tasks read alike): no reader can tell such a tip
+    # from its own
+    claims_own = []
     for i, spec in enumerate(tasks):
         donor = tasks[(i + 1) % len(tasks)]
         ids = [rec.id for rec in own.records() if (rec.task, rec.variation) == (donor.task, donor.variation)]
+        texts = []
         if ids:
             texts, vectors, metas = own.export(ids)
             foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
+        claims_own.append(signature and any(t.startswith(signed[i]) for t in texts))
     collector.memory, collector.settings.write_tips = foreign, False
     batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
     scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own, tok, signature)
@@ -179,6 +188,11 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
             "success_by_round": success,
             "wrong_focus_by_round": wrong_focus, "tip_truth": statistics.fmean(truths) if truths else 0.0,
             "tips_exact": statistics.fmean(exact) if exact else 0.0,
+            "tips_signed_right": statistics.fmean(signed_right) if signature and signed_right else None,
+            "irrelevant_claims_own": claims_own,
+            # the next instance's task reads as this one's (the same signature): its tips, rightly signed, claim it
+            "irrelevant_same_signature": [signature and signed[i] == signed[(i + 1) % len(tasks)]
+                                          for i in range(len(tasks))],
             "irrelevant_tips_score": batch.stats["rollout/score"],
             "memory_frac_irrelevant": batch.stats["rollout/memory_frac"],
             "seconds": time.perf_counter() - t0}
@@ -268,6 +282,13 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
             pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)  # (instances, 2)
             out[f"{name}_change"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
             out[f"{name}_within_10pct"] = bool(abs(pair[:, 1].mean() - tip_free.mean()) <= bound)
+    if any(res.get("irrelevant_claims_own", [])):  # the change apart from irrelevant tips that claim to be its own
+        claims = np.array(res["irrelevant_claims_own"], dtype=bool)
+        pair = np.stack([tip_free, np.array(res["irrelevant_scores"], dtype=float)], axis=1)[~claims]
+        out["irrelevant_claiming_own"] = int(claims.sum())
+        if len(pair):
+            out["irrelevant_change_signed_other"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(),
+                                                                 seed=seed)
     if family == "find-living-thing":
         out["trap_holds"] = bool(res["success_by_round"][0] <= 0.25)
     return out
@@ -283,7 +304,7 @@ def main_memory(args) -> None:
     model.eval()
     signature = bool(model_cfg.path) and tips_signed(model_cfg.path)
     cat = get_catalogue("minisci")
-    rows = []
+    rows, signing = [], []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "
           "after 2 / tip-free | tips true | tips exact | irrelevant tips (change) | gold tip / trapped tip | "
           "another house's gold tip (change) | another task's gold tip (change) | "
@@ -308,6 +329,17 @@ def main_memory(args) -> None:
                   f"{scripted_change(res, v, 'other_house')} | {scripted_change(res, v, 'other_task')} | "
                   f"{res['tip_free_first_focus']} / {res.get('other_task_tip_first_focus', '-')} of {len(tasks)} |",
                   flush=True)
+            if res["tips_signed_right"] is not None:  # said under the table, which it would break
+                split = ""
+                if "irrelevant_change_signed_other" in v:
+                    rest = ci_text(v["irrelevant_change_signed_other"], signed=True)
+                    split = f"; the change apart from those {rest} over {len(tasks) - v['irrelevant_claiming_own']}"
+                signing.append(f"{family}: own tips signed with their instance's signature "
+                               f"{res['tips_signed_right']:.0%}; irrelevant tips opening with the instance's own "
+                               f"signature in {v.get('irrelevant_claiming_own', 0)} of {len(tasks)} (the next "
+                               f"instance's task has its signature in {sum(res['irrelevant_same_signature'])}){split}")
+    for line in signing:
+        print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "threads": args.threads, "args": vars(args),
