@@ -26,8 +26,17 @@ hindsight tip per instance instead of its own: the gold path's (true, locating w
 prior-driven episode's (which look-alike failed), and, to tell what a tip says from that a tip is there, the gold
 path's tip of another house of the family and of an instance of another family; and how many episodes begin
 with a `focus on`, tip-free and under each scripted tip (with how many begin by going to a room the tip names).
+For a prior that signs its tips (`prior_tips.tips_signed`), also the share of its own tips that open with their
+instance's signature, and the irrelevant tips' change apart from the instances whose borrowed tips open with
+their own signature (a slip of the writer, or another task that reads alike: no reader can tell those apart).
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
+
+With a tip-free score of a few points, 10% of it is a fraction of one episode's score over a few dozen instances;
+`--pool` joins the records of runs with other `--seed` values (other instances) and gives the verdicts over all
+of them:
+
+    python benchmarks/minisci_calibration.py --pool RUN_SEED0.json RUN_SEED1.json ... --out POOLED.json
 """
 
 from __future__ import annotations
@@ -294,6 +303,50 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
     return out
 
 
+def pooled_memory(rows: list[dict]) -> dict:
+    """One family's `--memory` rows from runs of other seeds (other instances, other samples) as one run over
+    all their instances: per-instance lists joined, per-round rates weighted by instance count."""
+    n = [len(r["scores"][0]) for r in rows]
+    rounds = range(len(rows[0]["scores"]))
+    out = {"instances": sum(n), "scores": [sum((r["scores"][k] for r in rows), []) for k in rounds],
+           "success_by_round": [float(np.average([r["success_by_round"][k] for r in rows], weights=n))
+                                for k in rounds]}
+    for key in ("irrelevant_scores", "other_house_tip_scores", "other_task_tip_scores", "irrelevant_claims_own"):
+        if all(key in r for r in rows):
+            out[key] = sum((r[key] for r in rows), [])
+    return out
+
+
+def main_pool(args) -> None:
+    """`--pool`: the verdicts of `--memory` records of one prior and settings but other seeds, pooled."""
+    records = [json.loads(Path(p).read_text()) for p in args.pool]
+    same = {k: v for k, v in records[0]["args"].items() if k not in ("seed", "out")}
+    for path, rec in zip(args.pool, records):
+        if not rec["args"].get("memory") or {k: v for k, v in rec["args"].items() if k not in ("seed", "out")} != same:
+            raise SystemExit(f"--pool {path}: not a --memory record of the same prior and settings as {args.pool[0]} "
+                             "(only --seed and --out may differ)")
+    keys = [(r["setting"], r["family"]) for r in records[0]["rows"]]
+    rows = []
+    for setting, family in keys:
+        res = pooled_memory([r for rec in records for r in rec["rows"]
+                             if (r["setting"], r["family"]) == (setting, family)])
+        res["verdicts"] = v = memory_verdicts(res, family)
+        rows.append({"setting": setting, "family": family, "seeds": [rec["args"]["seed"] for rec in records], **res})
+        said = [f"tip-free {ci_text(v['tip_free'])}, success {res['success_by_round'][0]:.2f}"]
+        if "ratio_after_2" in v:
+            said.append(f"own tips after 2 {ci_text(v['ratio_after_2'], 'x')}")
+        for name, what in (("irrelevant", "irrelevant tips"), ("other_house", "another house's gold tip"),
+                           ("other_task", "another task's gold tip")):
+            if f"{name}_change" in v:
+                said.append(f"{what} {ci_text(v[name + '_change'], signed=True)} (within 10%: "
+                            f"{v[name + '_within_10pct']})")
+        print(f"{setting} {family}, {res['instances']} instances of {len(records)} seeds: " + "; ".join(said))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"pooled": args.pool, "rows": rows}, indent=2))
+    print(f"intervals: 95% paired bootstrap over the pooled instances\nwrote {out}")
+
+
 def main_memory(args) -> None:
     base = [f"model={args.model}", "algo.p=1", "algo.q=0", "algo.beta_start=0", "algo.beta_end=0",
             f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64",
@@ -382,9 +435,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="with --memory: episodes per instance, one after another")
     ap.add_argument("--show", type=int, default=0, help="with --memory: print the actions and tip of this many "
                                                         "instances per round")
+    ap.add_argument("--pool", nargs="+", default=None, metavar="RECORD",
+                    help="pool --memory records of one prior and settings run with other --seed values (other "
+                         "instances) and print the verdicts over all their instances; plays nothing")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/minisci_calibration"
                                                 "[_memory].json)")
     args = ap.parse_args()
+    if args.pool:
+        if not args.out:
+            ap.error("--pool writes its verdicts to --out; give one")
+        main_pool(args)
+        return
     torch.set_num_threads(args.threads)
     name = "minisci_calibration_memory.json" if args.memory else "minisci_calibration.json"
     args.out = args.out or str(Path(__file__).parent / "results" / name)
