@@ -320,9 +320,11 @@ def pooled_memory(rows: list[dict]) -> dict:
 def main_pool(args) -> None:
     """`--pool`: the verdicts of `--memory` records of one prior and settings but other seeds, pooled."""
     records = [json.loads(Path(p).read_text()) for p in args.pool]
-    same = {k: v for k, v in records[0]["args"].items() if k not in ("seed", "out")}
+    def setup(rec: dict) -> dict:  # what must agree (`pool` is absent from records written before it existed)
+        return {k: v for k, v in rec["args"].items() if k not in ("seed", "out", "pool")}
+
     for path, rec in zip(args.pool, records):
-        if not rec["args"].get("memory") or {k: v for k, v in rec["args"].items() if k not in ("seed", "out")} != same:
+        if not rec["args"].get("memory") or setup(rec) != setup(records[0]):
             raise SystemExit(f"--pool {path}: not a --memory record of the same prior and settings as {args.pool[0]} "
                              "(only --seed and --out may differ)")
     keys = [(r["setting"], r["family"]) for r in records[0]["rows"]]
