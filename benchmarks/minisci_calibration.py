@@ -199,7 +199,8 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
             "tips_exact": statistics.fmean(exact) if exact else 0.0,
             "tips_signed_right": statistics.fmean(signed_right) if signature and signed_right else None,
             "irrelevant_claims_own": claims_own,
-            # the next instance's task reads as this one's (the same signature): its tips, rightly signed, claim it
+            # the next instance's task has this one's signature (find-living-thing's names the box and its room, not
+            # the category): its tips, rightly signed, claim to be this instance's
             "irrelevant_same_signature": [signature and signed[i] == signed[(i + 1) % len(tasks)]
                                           for i in range(len(tasks))],
             "irrelevant_tips_score": batch.stats["rollout/score"],
@@ -298,6 +299,14 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
         if len(pair):
             out["irrelevant_change_signed_other"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(),
                                                                  seed=seed)
+    if any(res.get("irrelevant_same_signature", [])):  # the next instance's tips, apart from those no reader can tell
+        same = np.array(res["irrelevant_same_signature"], dtype=bool)
+        out["next_instance_same_signature"] = int(same.sum())
+        for name, key in (("irrelevant", "irrelevant_scores"), ("other_house", "other_house_tip_scores")):
+            if key in res and (~same).any():
+                pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)[~same]  # (instances, 2)
+                out[f"{name}_change_other_signature"] = bootstrap_ci(
+                    pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
     if family == "find-living-thing":
         out["trap_holds"] = bool(res["success_by_round"][0] <= 0.25)
     return out
@@ -311,7 +320,8 @@ def pooled_memory(rows: list[dict]) -> dict:
     out = {"instances": sum(n), "scores": [sum((r["scores"][k] for r in rows), []) for k in rounds],
            "success_by_round": [float(np.average([r["success_by_round"][k] for r in rows], weights=n))
                                 for k in rounds]}
-    for key in ("irrelevant_scores", "other_house_tip_scores", "other_task_tip_scores", "irrelevant_claims_own"):
+    for key in ("irrelevant_scores", "other_house_tip_scores", "other_task_tip_scores", "irrelevant_claims_own",
+                "irrelevant_same_signature"):
         if all(key in r for r in rows):
             out[key] = sum((r[key] for r in rows), [])
     return out
@@ -342,6 +352,15 @@ def main_pool(args) -> None:
             if f"{name}_change" in v:
                 said.append(f"{what} {ci_text(v[name + '_change'], signed=True)} (within 10%: "
                             f"{v[name + '_within_10pct']})")
+        if "next_instance_same_signature" in v:
+            apart = [f"{what} {ci_text(v[name + '_change_other_signature'], signed=True)}" for name, what in
+                     (("irrelevant", "irrelevant tips"), ("other_house", "another house's gold tip"))
+                     if name + "_change_other_signature" in v]
+            said.append(f"apart from the {v['next_instance_same_signature']} whose next instance's task has their "
+                        f"signature: {', '.join(apart)}")
+        if "irrelevant_claiming_own" in v:
+            said.append(f"apart from the {v['irrelevant_claiming_own']} whose irrelevant tips open with their own "
+                        f"signature: {ci_text(v['irrelevant_change_signed_other'], signed=True)}")
         print(f"{setting} {family}, {res['instances']} instances of {len(records)} seeds: " + "; ".join(said))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,8 @@ def _row(rng: np.random.Generator, n: int) -> dict:
     scores = rng.choice([0.0, 25.0, 50.0, 100.0], size=(3, n)).tolist()  # (rounds, instances)
     return {"scores": scores, "success_by_round": [float(np.mean(np.array(r) == 100)) for r in scores],
             "irrelevant_scores": rng.choice([0.0, 100.0], size=n).tolist(),
-            "irrelevant_claims_own": rng.random(n).round().astype(bool).tolist()}
+            "irrelevant_claims_own": rng.random(n).round().astype(bool).tolist(),
+            "irrelevant_same_signature": (rng.random(n) < 0.3).tolist()}
 
 
 def test_pooling_one_run_gives_its_own_verdicts():
@@ -41,3 +42,16 @@ def test_pooled_runs_are_their_instances_joined():
     change = np.mean(a["irrelevant_scores"] + b["irrelevant_scores"]) - tip_free
     assert v["irrelevant_change"][0] == pytest.approx(change)
     assert v["irrelevant_within_10pct"] == (abs(change) <= 0.1 * tip_free)
+
+
+def test_the_change_apart_from_tips_no_reader_can_tell_leaves_those_instances_out():
+    row = _row(np.random.default_rng(2), 20)
+    row["irrelevant_same_signature"][:3] = [True, True, False]
+    keep = [i for i, same in enumerate(row["irrelevant_same_signature"]) if not same]
+    v = calibration.memory_verdicts(row, "find-living-thing")
+    assert v["next_instance_same_signature"] == 20 - len(keep)
+    change = np.mean([row["irrelevant_scores"][i] - row["scores"][0][i] for i in keep])
+    assert v["irrelevant_change_other_signature"][0] == pytest.approx(change)
+    claimed = [i for i, c in enumerate(row["irrelevant_claims_own"]) if not c]
+    assert v["irrelevant_change_signed_other"][0] == pytest.approx(
+        np.mean([row["irrelevant_scores"][i] - row["scores"][0][i] for i in claimed]))
