@@ -28,7 +28,8 @@ path's tip of another house of the family and of an instance of another family; 
 with a `focus on`, tip-free and under each scripted tip (with how many begin by going to a room the tip names).
 For a prior that signs its tips (`prior_tips.tips_signed`), also the share of its own tips that open with their
 instance's signature, and the irrelevant tips' change apart from the instances whose borrowed tips open with
-their own signature (a slip of the writer, or another task that reads alike: no reader can tell those apart).
+their own signature (a slip of the writer, or a task with the same signature: no reader can tell those apart),
+and the next instance's tips' changes apart from the instances whose next instance's task has their signature.
 
     python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
 
@@ -177,8 +178,8 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
     own = collector.memory
     foreign = TipMemory(own.dim, **{k: v for k, v in own.config().items() if k != "dim"})
     # whether any of them opens with this instance's own signature, as written (the writer's slip, when the
-    # donor's task differs) or rightly (two instances whose tasks read alike): no reader can tell such a tip
-    # from its own
+    # donor's signature differs) or rightly (two instances whose tasks share a signature): no reader can tell
+    # such a tip from its own
     claims_own = []
     for i, spec in enumerate(tasks):
         donor = tasks[(i + 1) % len(tasks)]
@@ -330,6 +331,7 @@ def pooled_memory(rows: list[dict]) -> dict:
 def main_pool(args) -> None:
     """`--pool`: the verdicts of `--memory` records of one prior and settings but other seeds, pooled."""
     records = [json.loads(Path(p).read_text()) for p in args.pool]
+
     def setup(rec: dict) -> dict:  # what must agree (`pool` is absent from records written before it existed)
         return {k: v for k, v in rec["args"].items() if k not in ("seed", "out", "pool")}
 
@@ -337,13 +339,16 @@ def main_pool(args) -> None:
         if not rec["args"].get("memory") or setup(rec) != setup(records[0]):
             raise SystemExit(f"--pool {path}: not a --memory record of the same prior and settings as {args.pool[0]} "
                              "(only --seed and --out may differ)")
+    seeds = [rec["args"]["seed"] for rec in records]
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"--pool: seeds {seeds} repeat; a seed's instances would count twice")
     keys = [(r["setting"], r["family"]) for r in records[0]["rows"]]
     rows = []
     for setting, family in keys:
         res = pooled_memory([r for rec in records for r in rec["rows"]
                              if (r["setting"], r["family"]) == (setting, family)])
         res["verdicts"] = v = memory_verdicts(res, family)
-        rows.append({"setting": setting, "family": family, "seeds": [rec["args"]["seed"] for rec in records], **res})
+        rows.append({"setting": setting, "family": family, "seeds": seeds, **res})
         said = [f"tip-free {ci_text(v['tip_free'])}, success {res['success_by_round'][0]:.2f}"]
         if "ratio_after_2" in v:
             said.append(f"own tips after 2 {ci_text(v['ratio_after_2'], 'x')}")
