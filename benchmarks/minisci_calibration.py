@@ -269,6 +269,11 @@ def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok
     return out
 
 
+def paired_change(pair: np.ndarray, seed: int) -> tuple[float, float, float]:
+    """The mean change from column 0 to column 1 of (instances, 2) paired scores, with its bootstrap interval."""
+    return bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
+
+
 def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
     """The prior's targets on one family, with paired bootstrap intervals over instances: tip-free success
     (find-living-thing <= 25%), own tips after 2 episodes >= 2x the tip-free score, irrelevant tips within 10%
@@ -291,23 +296,21 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
                       ("other_task", "other_task_tip_scores")):
         if key in res:
             pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)  # (instances, 2)
-            out[f"{name}_change"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
+            out[f"{name}_change"] = paired_change(pair, seed)
             out[f"{name}_within_10pct"] = bool(abs(pair[:, 1].mean() - tip_free.mean()) <= bound)
     if any(res.get("irrelevant_claims_own", [])):  # the change apart from irrelevant tips that claim to be its own
         claims = np.array(res["irrelevant_claims_own"], dtype=bool)
         pair = np.stack([tip_free, np.array(res["irrelevant_scores"], dtype=float)], axis=1)[~claims]
         out["irrelevant_claiming_own"] = int(claims.sum())
         if len(pair):
-            out["irrelevant_change_signed_other"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(),
-                                                                 seed=seed)
+            out["irrelevant_change_signed_other"] = paired_change(pair, seed)
     if any(res.get("irrelevant_same_signature", [])):  # the next instance's tips, apart from those no reader can tell
         same = np.array(res["irrelevant_same_signature"], dtype=bool)
         out["next_instance_same_signature"] = int(same.sum())
         for name, key in (("irrelevant", "irrelevant_scores"), ("other_house", "other_house_tip_scores")):
             if key in res and (~same).any():
                 pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)[~same]  # (instances, 2)
-                out[f"{name}_change_other_signature"] = bootstrap_ci(
-                    pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
+                out[f"{name}_change_other_signature"] = paired_change(pair, seed)
     if family == "find-living-thing":
         out["trap_holds"] = bool(res["success_by_round"][0] <= 0.25)
     return out
@@ -330,7 +333,12 @@ def pooled_memory(rows: list[dict]) -> dict:
 
 def main_pool(args) -> None:
     """`--pool`: the verdicts of `--memory` records of one prior and settings but other seeds, pooled."""
-    records = [json.loads(Path(p).read_text()) for p in args.pool]
+    records = []
+    for path in args.pool:
+        try:
+            records.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--pool {path}: cannot read a calibration record ({e})") from None
 
     def setup(rec: dict) -> dict:  # what must agree (`pool` is absent from records written before it existed)
         return {k: v for k, v in rec["args"].items() if k not in ("seed", "out", "pool")}
