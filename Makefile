@@ -29,7 +29,7 @@ $(STAMP):
 	@touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/empo2 train experiment=empo2_paper_minisci_tips trainer.iterations=20 memory.top_k=1 memory.rank_by=score
+	$(VENV)/bin/empo2 train experiment=empo2_paper_minisci_tips model=minisci_tips_signed trainer.iterations=20 memory.top_k=1 memory.rank_by=score
 
 test: $(STAMP)
 	$(PY) -m pytest

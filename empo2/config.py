@@ -46,10 +46,13 @@ class ModelConfig:
                     "CPU; it selects the prompt layout it was trained on (rollout=whole_chat); its calibration is "
                     "in the README (empo2/prior_tips.py); `minisci-tips-reader`: minisci-tips after two rounds of "
                     "learning to act on tips from the states its own episodes reach, the prior whose memory is "
-                    "live on find-living-thing (shipped; same layout); "
+                    "live on find-living-thing (shipped; same layout); `minisci-tips-signed`: build 7, whose tips "
+                    "open with the task's box and room, taught on its own episodes to read the tips whose signature "
+                    "matches; the prior meeting all three calibration targets (shipped; same layout); "
                     "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
-                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "minisci-tips-reader", "hf",
-                             "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct"))
+                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "minisci-tips-reader",
+                             "minisci-tips-signed", "hf", "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct",
+                             "qwen2.5-7b-instruct"))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
     dtype: str = opt("float32", "Parameter dtype. bfloat16 halves memory on GPUs; float32 is exact and fastest on "
@@ -358,7 +361,7 @@ MINISCI_TIPS_LAYOUT = {"history_turns": None, "tips_in_history": True}
 
 def _trained_layout(model: ModelConfig) -> tuple[dict | None, str]:
     """The rollout layout a policy must run with, and how to name the policy in the error; (None, "") if any."""
-    if model.name in ("minisci-tips", "minisci-tips-reader"):
+    if model.name in ("minisci-tips", "minisci-tips-reader", "minisci-tips-signed"):
         return MINISCI_TIPS_LAYOUT, f"model.name={model.name}"
     source = Path(model.path or "").expanduser() / "empo2_source.json"
     if model.name == "hf" and model.path and source.is_file():
@@ -389,7 +392,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if hasattr(cfg.rollout, key) and getattr(cfg.rollout, key) != want:
             raise ConfigError(f"rollout.{key}={getattr(cfg.rollout, key)} is not allowed with {trained}: it was "
                               f"trained with rollout.{key}={json.dumps(want)} (rollout=whole_chat, "
-                              "which model=minisci_tips and model=minisci_tips_reader select, sets that layout)")
+                              "which the model=minisci_tips* presets select, sets that layout)")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
     if cfg.env.name != "minisci":

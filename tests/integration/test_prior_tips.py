@@ -18,7 +18,7 @@ from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.memory.tips import tip_request_message
-from empo2.models import _load_local, build_bpe_tokenizer, load_policy, shipped_reader
+from empo2.models import _load_local, build_bpe_tokenizer, load_policy, shipped_prior
 from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET
 from empo2.prior_tips import (
     IRRELEVANT,
@@ -282,7 +282,6 @@ def test_a_checkpoint_says_whether_its_tips_are_signed(tmp_path, monkeypatch):
     assert not tips_signed(tmp_path)
     (tmp_path / "empo2_source.json").write_text(json.dumps({"probe_of": "x", "tip_signature": True}))
     assert tips_signed(tmp_path)
-    assert not tips_signed(shipped_reader())
 
 
 def test_a_layout_where_prompts_are_not_prefixes_of_the_chat_is_refused(data, builder):
@@ -337,14 +336,25 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
 
 
-def test_the_shipped_reader_loads_on_its_own_layout_and_records_how_it_was_made():
-    cfg = load_config(["model=minisci_tips_reader"])  # the preset selects rollout=whole_chat, as minisci_tips does
-    assert (cfg.rollout.history_turns, cfg.rollout.tips_in_history) == (None, True)
-    with pytest.raises(ConfigError, match=r"^rollout.history_turns=2 is not allowed with model.name=minisci-tips-r"):
-        load_config(["model=minisci_tips_reader", "rollout.history_turns=2"])
-    source = json.loads((shipped_reader() / "empo2_source.json").read_text())
+@pytest.mark.parametrize("option, name", [("minisci_tips_reader", "minisci-tips-reader"),
+                                          ("minisci_tips_signed", "minisci-tips-signed")])
+def test_a_shipped_prior_loads_on_its_own_layout_and_records_how_it_was_made(option, name):
+    cfg = load_config([f"model={option}"])  # the preset selects rollout=whole_chat, as minisci_tips does
+    assert cfg.model.name == name and (cfg.rollout.history_turns, cfg.rollout.tips_in_history) == (None, True)
+    with pytest.raises(ConfigError, match=rf"^rollout.history_turns=2 is not allowed with model.name={name}"):
+        load_config([f"model={option}", "rollout.history_turns=2"])
+    source = json.loads((shipped_prior(name) / "empo2_source.json").read_text())
     assert source["prompt_layout"] == MINISCI_TIPS_LAYOUT
-    assert "--learn actions --iterations 2" in source["command"] and len(source["self_play"]) == 2
+    if name == "minisci-tips-reader":
+        assert "--learn actions --iterations 2" in source["command"] and len(source["self_play"]) == 2
+        assert not tips_signed(shipped_prior(name))
+    else:  # build 7 and four self-play rounds, each starting where the one before it wrote its checkpoint
+        assert tips_signed(shipped_prior(name)) and "version=7" in source["chain"][0]
+        assert source["command"] == source["chain"][-1].split("  #")[0] and len(source["self_play"]) == 1
+        for before, after in zip(source["chain"][1:], source["chain"][2:]):
+            assert f"--start {before.split('--out ')[1].split()[0]} " in after
+        assert source["args"]["start"] in source["chain"][-2] and source["args"]["setting"][-2:] == \
+            ["tip_signature=1", "version=7"]
     model, tok = load_policy(cfg.model)
     assert model.config.hidden_size == TipPriorSettings().hidden_size and tok.eos_token == "<|im_end|>"
     assert sum(p.numel() for p in model.parameters()) < 1_000_000

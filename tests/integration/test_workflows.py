@@ -258,6 +258,17 @@ def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on
             assert dataclasses.replace(r.cfg.memory, rank_by="similarity", top_k=3) == same[r.preset].memory
             assert dataclasses.asdict(r.cfg.algo) == dataclasses.asdict(same[r.preset].algo)
             assert r.cfg.logger.experiment == f"empo2-headline-minisci-tips-{grid.replace('_', '-')}"
+    # the signed prior's grid: every preset again, each differing from the one-tip grid's in the prior only
+    _, signed = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed.yaml", seeds=1)
+    assert [r.preset for r in signed] == list(same)
+    for r in signed:
+        assert (r.cfg.model.name, r.cfg.memory.top_k, r.cfg.memory.rank_by) == ("minisci-tips-signed", 1, "score")
+        assert dataclasses.replace(r.cfg.memory, rank_by="similarity", top_k=3) == same[r.preset].memory
+        assert dataclasses.replace(r.cfg.model, name="minisci-tips-reader") == same[r.preset].model
+        assert dataclasses.asdict(r.cfg.algo) == dataclasses.asdict(same[r.preset].algo)
+        assert dataclasses.asdict(r.cfg.rollout) == dataclasses.asdict(same[r.preset].rollout)
+        assert dataclasses.asdict(r.cfg.env) == dataclasses.asdict(same[r.preset].env)
+        assert dataclasses.asdict(r.cfg.trainer) == dataclasses.asdict(same[r.preset].trainer)
 
 
 def test_shipped_sweeps_load():
@@ -392,8 +403,9 @@ def test_models_lists_each_preset_under_the_option_that_selects_it():
     assert proc.returncode == 0, proc.stderr
     labels = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("model=")]
     assert {"model=smollm2", "model=tiny", "model=minisci_tips", "model=minisci_tips_reader",
-            "model=qwen2.5-7b"} <= set(labels)
-    assert proc.stdout.split("model=minisci_tips_reader", 1)[1].split("\n")[1].strip() == "-> available (shipped)"
+            "model=minisci_tips_signed", "model=qwen2.5-7b"} <= set(labels)
+    for shipped in ("model=minisci_tips_reader", "model=minisci_tips_signed"):
+        assert proc.stdout.split(shipped, 1)[1].split("\n")[1].strip() == "-> available (shipped)"
     for label in labels:  # each one is a working override naming that preset
         name = proc.stdout.split(label, 1)[1].split("\n", 1)[0].rsplit("[", 1)[1].rstrip("]")
         overrides = [label] + (["model.path=/tmp"] if label == "model=hf" else [])

@@ -40,7 +40,7 @@ def test_make_demo_runs_a_valid_config_with_the_shipped_prior():
 
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if "/empo2 train" in ln)
     cfg = load_config(line.split("empo2 train", 1)[1].split())
-    assert (cfg.model.name, cfg.algo.name, cfg.memory.enabled) == ("minisci-tips-reader", "empo2", True)
+    assert (cfg.model.name, cfg.algo.name, cfg.memory.enabled) == ("minisci-tips-signed", "empo2", True)
     # one tip per prompt, the best-scoring one: the setting in which the memory is live in training (README)
     assert (cfg.memory.top_k, cfg.memory.rank_by) == (1, "score")
     assert cfg.trainer.val_before_train and cfg.trainer.val_train  # the report shows before and after
