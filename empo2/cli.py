@@ -237,9 +237,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     out = args.out or Path(args.run_root) / "compare" / args.experiment.replace("/", "_")
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
     result = compare(args.experiment, uri, out, group_by=args.group_by, metrics=metrics, storage=args.storage,
-                     x=args.x)
+                     x=args.x, baseline=args.baseline)
     print(Path(result["table"]).read_text(), end="")
-    print(f"written to {result['out']}: compare.md, compare.csv, {len(result['curves'])} curves"
+    if result["paired"]:
+        print("\n" + (Path(result["out"]) / "paired.md").read_text(), end="")
+    print(f"written to {result['out']}: compare.md, compare.csv"
+          + (", paired.md, paired.csv" if result["paired"] else "") + f", {len(result['curves'])} curves"
           + (f", {len(result['sweep'])} sweep files" if result["sweep"] else ""))
     return 0
 
@@ -291,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--metrics", help="comma-separated metrics (default: validation and rollout scores)")
             p.add_argument("--x", help="metric to plot the curves against instead of the iteration, "
                                        "e.g. train/env_steps")
+            p.add_argument("--baseline", help="a group (e.g. grpo_minisci_tips) to subtract from every other one, "
+                                              "paired by seed: paired.md and paired.csv")
             p.add_argument("--run-root", default="outputs", help="where the runs and mlflow.db live")
             p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite in the run root)")
             p.add_argument("--out", help="output folder (default <run-root>/compare/<experiment>)")

@@ -9,7 +9,11 @@ and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a 
   std over runs, i.e. seeds) and a 95% percentile bootstrap interval of the mean over runs (seeded, so a
   report is reproducible); where runs drew memory modes, also the score of the rollouts that carried tips
   and of the tip-free ones pooled over each run (`rollout/score_memory (run)`, weighted by episodes: the
-  memory is live only if the first is higher);
+  memory is live only if the first is higher), and their difference run by run (`rollout/memory_gain (run)`,
+  whose interval is the paired one);
+- with a baseline group (`--baseline grpo`): `paired.md` and `paired.csv`, every other group's final metrics
+  minus the baseline's, paired by seed (the runs of one seed share their instances and validation draws, so
+  the paired interval is narrower than the two groups' intervals suggest);
 - `curve_<metric>.png`: per group the mean learning curve over runs with a ±1 std band;
 - for every Optuna study in the experiment (its parent run is tagged `empo2.role=study`):
   `importance_<study>.png` (parameter importances) and `trials_<study>.csv` (every trial).
@@ -36,6 +40,7 @@ STUDY_ROLE = ("empo2.role", "study")
 # Per-iteration rollout scores by memory mode, pooled over a run into one derived metric each
 MODES = ("memory", "tipfree")
 POOLED = tuple(f"rollout/score_{mode} (run)" for mode in MODES)
+GAIN = "rollout/memory_gain (run)"  # POOLED[0] - POOLED[1] of one run: what the tips add within that run
 
 
 def rollout_scores_by_mode(history: list[dict]) -> dict[str, tuple[float, int] | None]:
@@ -48,6 +53,31 @@ def rollout_scores_by_mode(history: list[dict]) -> dict[str, tuple[float, int] |
         total = sum(h.get(f"rollout/episodes_{mode}", 0.0) * h.get(f"rollout/score_{mode}", 0.0) for h in history)
         pooled[mode] = (total / n, int(n)) if n else None
     return pooled
+
+
+def paired_difference(group: dict[str, float], baseline: dict[str, float]) -> tuple[float, float, float, int]:
+    """(mean, ci95 low, ci95 high, pairs) of group − baseline over the seeds both have; group, baseline:
+    {seed: final value}. NaN where no seed is shared; NaN interval for a single pair."""
+    seeds = sorted(set(group) & set(baseline))
+    diffs = np.array([group[s] - baseline[s] for s in seeds], dtype=float)  # (pairs,)
+    if len(diffs) < 2:
+        return (float(diffs[0]) if len(diffs) else math.nan), math.nan, math.nan, len(diffs)
+    mean, low, high = bootstrap_ci(diffs)
+    return mean, low, high, len(diffs)
+
+
+def _by_seed(runs: list, finals: dict, metric: str, group: str) -> dict[str, float]:
+    """{seed: final value of metric} of a group's runs; a seed run twice cannot be paired and is refused."""
+    values: dict[str, float] = {}
+    for r in runs:
+        seed = r.data.tags.get("seed", r.data.params.get("seed"))
+        if metric not in finals[r.info.run_id]:
+            continue
+        if seed in values:
+            raise ConfigError(f"--baseline pairs runs by seed, but group {group!r} has two finished runs of seed "
+                              f"{seed}; delete one or compare them in separate experiments")
+        values[seed] = finals[r.info.run_id][metric]
+    return values
 
 
 def _client(tracking_uri: str):
@@ -99,11 +129,13 @@ def _group_order(name: str) -> tuple:
 
 
 def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str | None = None,
-            metrics: list[str] | None = None, storage: str | None = None, x: str | None = None) -> dict:
+            metrics: list[str] | None = None, storage: str | None = None, x: str | None = None,
+            baseline: str | None = None) -> dict:
     """Write the table, the curves and (for sweeps) the importance plots; returns the table rows, the
     grouping and the paths written. `storage` overrides the Optuna storage URL recorded on a study's run.
     `x`: a metric logged at every iteration (`train/env_steps`) to plot the curves against instead of
-    the iteration, e.g. to compare methods at equal environment steps."""
+    the iteration, e.g. to compare methods at equal environment steps. `baseline`: a group to pair every other
+    group with, seed by seed (paired.md, paired.csv)."""
     client = _client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -122,6 +154,9 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     for r in finished:
         key = r.data.tags.get(group_by, r.data.params.get(group_by))
         groups[str(key) if key is not None else "(none)"].append(r)
+    if baseline is not None and baseline not in groups:
+        raise ConfigError(f"--baseline {baseline!r} is not a group of {experiment!r} grouped by {group_by} "
+                          f"(groups: {', '.join(sorted(groups, key=_group_order))})")
     present = {k for r in finished for k in r.data.metrics}
     metrics = list(metrics) if metrics else [m for m in DEFAULT_METRICS if m in present]
     missing = [m for m in metrics + ([x] if x else []) if m not in present]
@@ -135,8 +170,11 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     pooled = []
     if "rollout/episodes_memory" in present:  # runs that drew memory modes: pool each mode's score over the run
         for r in finished:
-            finals[r.info.run_id].update(_pooled_by_mode(client, r))
-        pooled = [m for m in POOLED if any(m in f for f in finals.values())]
+            f = finals[r.info.run_id]
+            f.update(_pooled_by_mode(client, r))
+            if all(m in f for m in POOLED):
+                f[GAIN] = f[POOLED[0]] - f[POOLED[1]]
+        pooled = [m for m in POOLED + (GAIN,) if any(m in f for f in finals.values())]
     rows = []
     for name in sorted(groups, key=_group_order):
         row = {"group": name, "runs": len(groups[name])}
@@ -146,13 +184,21 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
         rows.append(row)
     table_md, table_csv = out / "compare.md", out / "compare.csv"
     _write_tables(rows, metrics + pooled, group_by, experiment, table_md, table_csv)
+    paired = []
+    if baseline is not None:
+        base = {m: _by_seed(groups[baseline], finals, m, baseline) for m in metrics + pooled}
+        for name in sorted(groups, key=_group_order):
+            if name != baseline:
+                paired.append({"group": name, **{m: paired_difference(_by_seed(groups[name], finals, m, name),
+                                                                      base[m]) for m in metrics + pooled}})
+        _write_paired(paired, metrics + pooled, group_by, baseline, experiment, out / "paired.md", out / "paired.csv")
     curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png", x) for m in metrics]
     sweep_files = []
     for study_run in studies:
         sweep_files += _study_outputs(study_run, storage, out)
     return {"rows": rows, "metrics": metrics + pooled, "group_by": group_by, "table": str(table_md),
-            "csv": str(table_csv), "curves": [str(p) for p in curves], "sweep": [str(p) for p in sweep_files],
-            "out": str(out)}
+            "csv": str(table_csv), "paired": paired, "curves": [str(p) for p in curves],
+            "sweep": [str(p) for p in sweep_files], "out": str(out)}
 
 
 def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experiment: str, md: Path, csv_path: Path):
@@ -168,6 +214,22 @@ def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experimen
         w.writerow([group_by, "runs"] + [f"{m} {s}" for m in metrics for s in SUMMARY])
         for row in rows:
             w.writerow([row["group"], row["runs"]] + [repr(v) for m in metrics for v in row[m]])
+
+
+def _write_paired(rows: list[dict], metrics: list[str], group_by: str, baseline: str, experiment: str, md: Path,
+                  csv_path: Path):
+    def cell(mean, low, high, n):
+        return "—" if n == 0 else f"{mean:+.4g} (1 pair)" if n == 1 else f"{mean:+.4g} [{low:+.4g}, {high:+.4g}] ({n})"
+
+    lines = [f"# {experiment}: final metrics minus {baseline}'s, paired by seed: mean difference [95% bootstrap "
+             "interval] (pairs)", "", "| " + " | ".join([group_by, *metrics]) + " |", "|" + "---|" * (len(metrics) + 1)]
+    lines += ["| " + " | ".join([row["group"]] + [cell(*row[m]) for m in metrics]) + " |" for row in rows]
+    md.write_text("\n".join(lines) + "\n")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([group_by] + [f"{m} {s}" for m in metrics for s in ("diff", "ci95_low", "ci95_high", "pairs")])
+        for row in rows:
+            w.writerow([row["group"]] + [repr(v) for m in metrics for v in row[m]])
 
 
 def group_curve(runs: list[tuple[dict[int, float], dict[int, float] | None]]):

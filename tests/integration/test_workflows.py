@@ -129,6 +129,40 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_pairs_each_preset_with_the_baseline_seed_by_seed(grid):
+    out = grid["root"] / "cmp_paired"
+    proc = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
+                 "--metrics", ",".join(COMPARED), "--baseline", "grpo_minisci")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "minus grpo_minisci's, paired by seed" in proc.stdout
+    summaries = {p: {s: json.loads((grid["root"] / "mini" / f"{p}-s{s}" / "summary.json").read_text())
+                     for s in (0, 1)} for p in GRID_PRESETS}
+    with open(out / "paired.csv") as f:
+        rows = {r["preset"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"empo2_official_minisci"}  # the baseline is not paired with itself
+    for m in COMPARED:
+        diffs = [summaries["empo2_official_minisci"][s]["metrics"][m] - summaries["grpo_minisci"][s]["metrics"][m]
+                 for s in (0, 1)]
+        mean, low, high = bootstrap_ci(diffs)
+        row = rows["empo2_official_minisci"]
+        assert [float(row[f"{m} {k}"]) for k in ("diff", "ci95_low", "ci95_high", "pairs")] == \
+            pytest.approx([mean, low, high, 2], abs=1e-9)
+    # within a run, what the tips add is the pooled score with tips minus the tip-free one
+    with open(out / "compare.csv") as f:
+        table = {r["preset"]: r for r in csv.DictReader(f)}
+    gains = []
+    for s in (0, 1):
+        pooled = rollout_scores_by_mode(summaries["empo2_official_minisci"][s]["history"])
+        if pooled["memory"] and pooled["tipfree"]:
+            gains.append(pooled["memory"][0] - pooled["tipfree"][0])
+    if gains:
+        assert float(table["empo2_official_minisci"]["rollout/memory_gain (run) mean"]) == \
+            pytest.approx(np.mean(gains), abs=1e-9)
+    bad = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
+                "--baseline", "grpo")
+    assert bad.returncode != 0 and "--baseline 'grpo' is not a group" in bad.stderr and "grpo_minisci" in bad.stderr
+
+
 def test_eval_scores_a_checkpoint_per_task_with_and_without_memory(grid):
     run_dir = grid["root"] / "mini" / "empo2_official_minisci-s0"
     out = grid["root"] / "eval"

@@ -2,6 +2,7 @@
 one-line errors for bad input."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -181,3 +182,20 @@ def test_group_curve_averages_runs_per_step_and_places_points_at_the_mean_x():
     assert std.tolist() == pytest.approx([2 ** 0.5, 2 ** 0.5, 0.0])
     x, mean, _ = group_curve([(a[0], None), (b[0], None)])  # no x metric: the step is the x
     assert x.tolist() == [0.0, 1.0, 2.0] and mean.tolist() == [2.0, 4.0, 7.0]
+
+
+def test_paired_difference_is_taken_over_the_seeds_both_groups_ran():
+    from empo2.compare import paired_difference
+    from empo2.stats import bootstrap_ci
+
+    group, baseline = {"0": 5.0, "1": 7.0, "2": 9.0}, {"0": 4.0, "1": 4.0, "2": 10.0, "3": 1.0}
+    mean, low, high, n = paired_difference(group, baseline)  # differences 1, 3, -1; seed 3 has no pair
+    assert (mean, n) == (1.0, 3) and (low, high) == bootstrap_ci([1.0, 3.0, -1.0])[1:]
+    shuffled = dict(reversed(list(group.items())))  # the order runs come in changes nothing
+    assert paired_difference(shuffled, baseline) == (mean, low, high, n)
+    shifted = {s: v + 2.0 for s, v in group.items()}  # a constant shift moves the interval by the same amount
+    assert paired_difference(shifted, baseline)[:3] == pytest.approx((3.0, low + 2.0, high + 2.0))
+    one = paired_difference({"0": 5.0}, baseline)
+    assert one[0] == 1.0 and one[3] == 1 and math.isnan(one[1]) and math.isnan(one[2])
+    none = paired_difference({"7": 5.0}, baseline)
+    assert math.isnan(none[0]) and none[3] == 0
