@@ -219,6 +219,7 @@ def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experimen
 def _write_paired(rows: list[dict], metrics: list[str], group_by: str, baseline: str, experiment: str, md: Path,
                   csv_path: Path):
     def cell(mean, low, high, n):
+        mean, low, high = (round(v, 9) + 0.0 for v in (mean, low, high))  # a difference of equal floats reads +0
         return "—" if n == 0 else f"{mean:+.4g} (1 pair)" if n == 1 else f"{mean:+.4g} [{low:+.4g}, {high:+.4g}] ({n})"
 
     lines = [f"# {experiment}: final metrics minus {baseline}'s, paired by seed: mean difference [95% bootstrap "
