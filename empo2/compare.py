@@ -11,6 +11,8 @@ and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a 
   and of the tip-free ones pooled over each run (`rollout/score_memory (run)`, weighted by episodes: the
   memory is live only if the first is higher), and their difference run by run (`rollout/memory_gain (run)`,
   whose interval is the paired one);
+- for each validation metric, its value before training (`<metric> (before)`, from runs with
+  `trainer.val_before_train`), so a table shows where every group started;
 - with a baseline group (`--baseline grpo`): `paired.md` and `paired.csv`, every other group's final metrics
   minus the baseline's, paired by seed (the runs of one seed share their instances and validation draws, so
   the paired interval is narrower than the two groups' intervals suggest);
@@ -167,7 +169,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     out.mkdir(parents=True, exist_ok=True)
 
     finals = {r.info.run_id: dict(r.data.metrics) for r in finished}
-    pooled = []
+    pooled = []  # derived per run: each memory mode's score over the run, and their difference
     if "rollout/episodes_memory" in present:  # runs that drew memory modes: pool each mode's score over the run
         for r in finished:
             f = finals[r.info.run_id]
@@ -175,28 +177,36 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
             if all(m in f for m in POOLED):
                 f[GAIN] = f[POOLED[0]] - f[POOLED[1]]
         pooled = [m for m in POOLED + (GAIN,) if any(m in f for f in finals.values())]
+    before = []
+    for m in (m for m in metrics if m.startswith("val")):  # validation before training is logged at step -1
+        for r in finished:
+            first = [p.value for p in client.get_metric_history(r.info.run_id, m) if p.step < 0]
+            if first:
+                finals[r.info.run_id][f"{m} (before)"] = first[0]
+        before += [f"{m} (before)"] if any(f"{m} (before)" in f for f in finals.values()) else []
+    derived = before + pooled
     rows = []
     for name in sorted(groups, key=_group_order):
         row = {"group": name, "runs": len(groups[name])}
-        for m in metrics + pooled:
+        for m in metrics + derived:
             values = [finals[r.info.run_id][m] for r in groups[name] if m in finals[r.info.run_id]]
             row[m] = _summarize(values) if values else (math.nan,) * len(SUMMARY)
         rows.append(row)
     table_md, table_csv = out / "compare.md", out / "compare.csv"
-    _write_tables(rows, metrics + pooled, group_by, experiment, table_md, table_csv)
+    _write_tables(rows, metrics + derived, group_by, experiment, table_md, table_csv)
     paired = []
     if baseline is not None:
-        base = {m: _by_seed(groups[baseline], finals, m, baseline) for m in metrics + pooled}
+        base = {m: _by_seed(groups[baseline], finals, m, baseline) for m in metrics + derived}
         for name in sorted(groups, key=_group_order):
             if name != baseline:
                 paired.append({"group": name, **{m: paired_difference(_by_seed(groups[name], finals, m, name),
-                                                                      base[m]) for m in metrics + pooled}})
-        _write_paired(paired, metrics + pooled, group_by, baseline, experiment, out / "paired.md", out / "paired.csv")
+                                                                      base[m]) for m in metrics + derived}})
+        _write_paired(paired, metrics + derived, group_by, baseline, experiment, out / "paired.md", out / "paired.csv")
     curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png", x) for m in metrics]
     sweep_files = []
     for study_run in studies:
         sweep_files += _study_outputs(study_run, storage, out)
-    return {"rows": rows, "metrics": metrics + pooled, "group_by": group_by, "table": str(table_md),
+    return {"rows": rows, "metrics": metrics + derived, "group_by": group_by, "table": str(table_md),
             "csv": str(table_csv), "paired": paired, "curves": [str(p) for p in curves],
             "sweep": [str(p) for p in sweep_files], "out": str(out)}
 

@@ -161,6 +161,28 @@ def test_compare_groups_a_sweeps_runs_by_trial_unless_told_otherwise(tmp_path):
     assert [(r["group"], r["runs"], r["rollout/score"][0]) for r in merged["rows"]] == [("grpo_minisci", 2, 20.0)]
 
 
+def test_compare_reports_where_each_group_started_and_pairs_groups_by_seed(tmp_path):
+    """Runs logged by hand into real MLflow: validation before training (step -1) and at the end, two presets x
+    two seeds (seed 1 of the second preset missing, so one pair is left)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = experiment_id(client, "grid")
+    runs = {("grpo", "0"): (20.0, 40.0), ("grpo", "1"): (30.0, 36.0), ("empo2", "0"): (20.0, 50.0)}
+    for (preset, seed), (start, end) in runs.items():
+        run_id = client.create_run(exp, tags={"kind": "train", "preset": preset, "seed": seed}).info.run_id
+        client.log_metric(run_id, "val/score_nomem", start, step=-1)
+        client.log_metric(run_id, "val/score_nomem", end, step=9)
+        client.set_terminated(run_id)
+    result = compare("grid", uri, tmp_path / "cmp", baseline="grpo")
+    rows = {r["group"]: r for r in result["rows"]}
+    assert rows["grpo"]["val/score_nomem (before)"][0] == 25.0 and rows["grpo"]["val/score_nomem"][0] == 38.0
+    assert rows["empo2"]["val/score_nomem (before)"][0] == 20.0
+    [paired] = result["paired"]
+    assert paired["group"] == "empo2" and paired["val/score_nomem"][0] == 10.0 and paired["val/score_nomem"][3] == 1
+    assert paired["val/score_nomem (before)"][0] == 0.0  # seed 0 of both started from the same policy
+    assert "| empo2 | +10 (1 pair) | +0 (1 pair) |" in (tmp_path / "cmp" / "paired.md").read_text()
+
+
 def _chromium(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
                            "--window-size=1280,1400", "--virtual-time-budget=20000", *args],
