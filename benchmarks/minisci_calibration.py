@@ -56,7 +56,7 @@ import torch
 from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
-from empo2.models import load_policy
+from empo2.models import checkpoint_folder, load_policy
 from empo2.prior_tips import tips_signed
 from empo2.stats import bootstrap_ci
 from empo2.train import build_collector, env_kwargs
@@ -389,7 +389,8 @@ def main_memory(args) -> None:
     model_cfg = load_config(base).model
     model, tok = load_policy(model_cfg)
     model.eval()
-    signature = bool(model_cfg.path) and tips_signed(model_cfg.path)
+    folder = checkpoint_folder(model_cfg)  # a shipped prior's or model.path: hand-made tips take its format
+    signature = folder is not None and tips_signed(folder)
     cat = get_catalogue("minisci")
     rows, signing = [], []
     print("| setting | family | tip-free score | success | wrong focus | own tips after 1 / 2 / 4 episodes | "

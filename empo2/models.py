@@ -251,6 +251,15 @@ def shipped_prior(name: str) -> Path:
     return SHIPPED / name
 
 
+def checkpoint_folder(cfg: ModelConfig) -> Path | None:
+    """The folder a config's weights load from, found without building or converting anything: a shipped prior's,
+    else `model.path`; None for presets built or converted on first use. Its empo2_source.json says how a prior
+    was made and whether it signs its tips (`prior_tips.tips_signed`)."""
+    if cfg.name in SHIPPED_PRIORS:
+        return shipped_prior(cfg.name)
+    return Path(cfg.path).expanduser() if cfg.path else None
+
+
 def load_policy(cfg: ModelConfig):
     """(model, tokenizer) for a model config. The tokenizer always has a chat template and a pad token."""
     dtype = _dtype(cfg.dtype)

@@ -18,7 +18,7 @@ from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.memory.tips import tip_request_message
-from empo2.models import _load_local, build_bpe_tokenizer, load_policy, shipped_prior
+from empo2.models import _load_local, build_bpe_tokenizer, checkpoint_folder, load_policy, shipped_prior
 from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET
 from empo2.prior_tips import (
     IRRELEVANT,
@@ -345,6 +345,10 @@ def test_a_shipped_prior_loads_on_its_own_layout_and_records_how_it_was_made(opt
         load_config([f"model={option}", "rollout.history_turns=2"])
     source = json.loads((shipped_prior(name) / "empo2_source.json").read_text())
     assert source["prompt_layout"] == MINISCI_TIPS_LAYOUT
+    # calibration and the probes find the record from the preset alone, as from model.path
+    assert checkpoint_folder(cfg.model) == shipped_prior(name)
+    hf = load_config(["model=minisci_tips", "model.name=hf", f"model.path={shipped_prior(name)}"]).model
+    assert checkpoint_folder(hf) == shipped_prior(name)
     if name == "minisci-tips-reader":
         assert "--learn actions --iterations 2" in source["command"] and len(source["self_play"]) == 2
         assert not tips_signed(shipped_prior(name))
