@@ -15,7 +15,7 @@ and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a 
   `trainer.val_before_train`), so a table shows where every group started;
 - with a baseline group (`--baseline grpo`): `paired.md` and `paired.csv`, every other group's final metrics
   minus the baseline's, paired by seed (the runs of one seed share their instances and validation draws, so
-  the paired interval is narrower than the two groups' intervals suggest);
+  the paired interval is usually narrower than the two groups' intervals suggest);
 - `curve_<metric>.png`: per group the mean learning curve over runs with a ±1 std band;
 - for every Optuna study in the experiment (its parent run is tagged `empo2.role=study`):
   `importance_<study>.png` (parameter importances) and `trials_<study>.csv` (every trial).
