@@ -466,7 +466,7 @@ def main() -> None:
     ap.add_argument("--tip-temperature", type=float, default=1.0,
                     help="with --memory: sampling temperature of the tips the policy writes (0: greedy)")
     ap.add_argument("--override", nargs="+", default=[],
-                    help="with --memory: more config overrides, last (e.g. model.name=hf model.path=DIR)")
+                    help="more config overrides, last (e.g. model.name=hf model.path=DIR)")
     ap.add_argument("--rounds", type=int, default=5, help="with --memory: episodes per instance, one after another")
     ap.add_argument("--show", type=int, default=0, help="with --memory: print the actions and tip of this many "
                                                         "instances per round")
@@ -489,7 +489,7 @@ def main() -> None:
         return
 
     base = [f"model={args.model}", "memory.enabled=false", "algo.p=0",
-            f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16"]
+            f"env.max_steps={args.max_steps}", "rollout.max_new_tokens=16", *args.override]
     model = tok = None
     if not args.no_policy:
         model, tok = load_policy(load_config(base).model)
