@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from empo2.compare import compare
+from empo2.config import ConfigError
 from empo2.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.tracking import EXPERIMENT_KIND, experiment_id, ui_link
 from tests.integration.test_workflows import FAST, empo2
@@ -181,6 +182,11 @@ def test_compare_reports_where_each_group_started_and_pairs_groups_by_seed(tmp_p
     assert paired["group"] == "empo2" and paired["val/score_nomem"][0] == 10.0 and paired["val/score_nomem"][3] == 1
     assert paired["val/score_nomem (before)"][0] == 0.0  # seed 0 of both started from the same policy
     assert "| empo2 | +10 (1 pair) | +0 (1 pair) |" in (tmp_path / "cmp" / "paired.md").read_text()
+    again = client.create_run(exp, tags={"kind": "train", "preset": "grpo", "seed": "0"}).info.run_id
+    client.log_metric(again, "val/score_nomem", 44.0, step=9)
+    client.set_terminated(again)  # a seed run twice cannot be paired: refused, naming the group and seed
+    with pytest.raises(ConfigError, match=r"group 'grpo' has two finished runs of seed 0"):
+        compare("grid", uri, tmp_path / "cmp2", baseline="grpo")
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:
