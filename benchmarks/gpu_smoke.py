@@ -8,17 +8,20 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
   vllm_start       VLLMEngine comes up colocated with the HF policy (sleep mode on)
   vllm_greedy      greedy responses obey the stop rules; first tokens agree with HFEngine's
   vllm_seeds       same seed, same samples; another seed, other samples
+  vllm_logprobs    the engine's behaviour log-probs against the trainer's scoring of the same tokens (bf16 gap)
   sleep_update     sleep, update_weights with perturbed weights: responses change and agree with the
                    perturbed HF model (the weights landed under the right names)
   restore          update_weights with the original weights gives the original responses back
   lora_merge       a LoRA-wrapped policy (random adapters) synced through full_named_tensors agrees
                    with peft's own merge_and_unload
   throughput       vLLM and HFEngine tokens/s on one batch (reported, not checked)
-  fsdp_one_iteration  `empo2 train debug=fast trainer=fsdp`: one iteration with the sharded policy
-  fsdp_summon_path    generation, old log-probs and validation run inside FSDP.summon_full_params, which
-                      PyTorch documents as not for forward passes: on-policy (p=0), one sample per
-                      micro-batch, the first step's ratio must be 1 and its KL 0 (to bf16 rounding), i.e.
-                      the log-probs scored there equal the sharded forward of the update
+  vllm_fsdp_train  `empo2 train engine=vllm engine.sleep_mode=true trainer=fsdp`: two iterations, a weight sync each
+  fsdp_one_iteration  `empo2 train debug=fast trainer=fsdp`: one iteration with the FSDP2-sharded policy, bf16
+                      mixed precision (the path the CPU tests run in float32 only)
+  fsdp_unsharded_path the shards stay float32 DTensors and `unsharded` gathers them in bfloat16
+                      (MixedPrecisionPolicy); generation, old log-probs and validation run inside it, the update
+                      on the sharded forward: on-policy (p=0), one sample per micro-batch, the first step's ratio
+                      must be 1 and its KL 0 (to bf16 rounding), i.e. both passes score the same distribution
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -119,14 +122,15 @@ def main() -> int:
 
     @check("vllm_start")
     def _():
-        state["engine"] = VLLMEngine(path, tok, gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=True,
-                                     dtype=args.dtype, llm_kwargs={"enforce_eager": args.enforce_eager})
+        state["engine"] = VLLMEngine(policy, tok, gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=True,
+                                     llm_kwargs={"enforce_eager": args.enforce_eager})
         import vllm
         return {"vllm": vllm.__version__}
 
     engine = state.get("engine")
     if engine is None:
-        for name in ("vllm_greedy", "vllm_seeds", "sleep_update", "restore", "lora_merge", "throughput"):
+        for name in ("vllm_greedy", "vllm_seeds", "vllm_logprobs", "sleep_update", "restore", "lora_merge",
+                     "throughput", "vllm_fsdp_train"):
             RESULTS.append({"check": name, "status": "SKIP", "reason": "vLLM engine did not start"})
             print(f"[SKIP] {name}")
         return report(args.out)
@@ -147,6 +151,25 @@ def main() -> int:
         assert engine.generate(prompts, sampled, seed=11) == a, "same seed gave other samples"
         assert engine.generate(prompts, sampled, seed=12) != a, "another seed gave the same samples"
         assert_stop_rules(a, sampled, engine.stops.stop_ids(True))
+
+    @check("vllm_logprobs")
+    def _():
+        # the engine's behaviour log-probs against the trainer's scoring of the same tokens (tests/integration/
+        # test_vllm.py bounds the float32 gap on a CPU by 2e-4; in bfloat16 the two kernels differ by more)
+        from empo2.config import AlgoConfig, TrainerConfig
+        from empo2.lit.data import RolloutBuffer
+        from empo2.lit.module import EMPO2Module
+        from empo2.rollout.types import StepSample
+
+        params = SamplingParams(temperature=1.0, max_new_tokens=24, logprobs=True)
+        gens = engine.generate(prompts, params, seed=3)
+        module = EMPO2Module(policy, tok, AlgoConfig(), TrainerConfig(), RolloutBuffer())
+        samples = [StepSample(behaviour_ids=p, train_ids=p, response_ids=g.token_ids, memory=False, offpolicy=False,
+                              group_id=0, traj_id=i, step=0) for i, (p, g) in enumerate(zip(prompts, gens))]
+        gaps = torch.cat([(torch.tensor(g.logprobs) - s.float()).abs()
+                          for g, s in zip(gens, module.score_behaviour(samples, 4))])
+        assert float(gaps.mean()) < 0.05, f"mean |vLLM - trainer| log-prob gap {float(gaps.mean()):.4f}"
+        return {"max_gap": float(gaps.max()), "mean_gap": float(gaps.mean()), "tokens": int(gaps.numel())}
 
     @check("sleep_update")
     def _():
@@ -200,6 +223,23 @@ def main() -> int:
             out[f"{name}_tok_per_s"] = round(n / (time.perf_counter() - start), 1)
         return out
 
+    @check("vllm_fsdp_train")
+    def _():
+        # `empo2 train engine=vllm trainer=fsdp` with sleep mode: the run the CPU tests make in float32 on gloo
+        # (tests/integration/test_vllm.py), here in bf16 on NCCL with the engine releasing its memory for updates
+        with tempfile.TemporaryDirectory() as root:
+            cmd = [sys.executable, "-m", "empo2.cli", "train", "trainer=fsdp", "trainer.devices=1",
+                   "trainer.iterations=2", "engine=vllm", "engine.sleep_mode=true", "rollout.tasks_per_batch=2",
+                   "env.max_steps=4", "logger=none", f"run_root={root}", "run_name=vllm"]
+            if args.model_path:
+                cmd += ["model=hf", f"model.path={args.model_path}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            summary = json.loads((Path(root) / "vllm" / "summary.json").read_text())
+        syncs = [h["time/weight_sync_s"] for h in summary["history"] if "time/weight_sync_s" in h]
+        assert len(syncs) == 2, summary["history"]
+        return {"weight_sync_s": syncs, "total_s": summary["metrics"]["time/total_s"]}
+
     @check("fsdp_one_iteration")
     def _():
         # a real `empo2 train` with the fsdp preset: sharded policy, bf16 mixed precision, one iteration
@@ -211,32 +251,44 @@ def main() -> int:
             summary = json.loads((Path(root) / "fsdp" / "summary.json").read_text())
         return {"iterations": len(summary["history"]), "strategy": summary["config"]["trainer"]["strategy"]}
 
-    @check("fsdp_summon_path")
+    @check("fsdp_unsharded_path")
     def _():
         import lightning as L
+        from torch.distributed.tensor import DTensor
 
         from empo2.config import load_config
+        from empo2.lit.strategy import hf_model, unsharded
         from empo2.train import train
 
-        class FirstStep(L.Callback):
+        class Probe(L.Callback):
             metrics: dict | None = None
+            dtypes: dict | None = None
+
+            def on_train_start(self, trainer, pl_module):
+                shard = next(hf_model(pl_module.policy).parameters())
+                with unsharded(pl_module):
+                    gathered = next(hf_model(pl_module.policy).parameters())
+                    self.dtypes = {"shard": str(shard.dtype), "dtensor": isinstance(shard, DTensor),
+                                   "gathered": str(gathered.dtype), "gathered_dtensor": isinstance(gathered, DTensor)}
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                if self.metrics is None and "actor/ratio_mean" in trainer.callback_metrics:
-                    self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("actor/")}
+                if self.metrics is None and pl_module.last_step:  # actor/* of the first optimiser step
+                    self.metrics = dict(pl_module.last_step)
 
-        rec = FirstStep()
+        probe = Probe()
         with tempfile.TemporaryDirectory() as root:
             cfg = load_config(["debug=fast", "trainer=fsdp", "trainer.devices=1", "trainer.iterations=1",
                                "engine=hf", "algo.p=0", "trainer.micro_batch_size=1", "trainer.mini_batch_size=64",
-                               "trainer.val_before_train=true", f"run_root={root}", "run_name=summon"])
-            summary = train(cfg, callbacks=[rec])
-        assert rec.metrics is not None, "no optimiser step ran"
-        assert any("rollout/return" in h for h in summary["history"]), "no rollout inside summon_full_params"
-        assert any("val/score_nomem" in h for h in summary["history"]), "no validation inside summon_full_params"
-        ratio, kl = rec.metrics["actor/ratio_mean"], rec.metrics["actor/approx_kl"]
+                               "trainer.val_before_train=true", f"run_root={root}", "run_name=unsharded"])
+            summary = train(cfg, callbacks=[probe])
+        assert probe.dtypes == {"shard": "torch.float32", "dtensor": True, "gathered": "torch.bfloat16",
+                                "gathered_dtensor": False}, probe.dtypes
+        assert probe.metrics is not None, "no optimiser step ran"
+        assert any("rollout/return" in h for h in summary["history"]), "no rollout inside unsharded"
+        assert any("val/score_nomem" in h for h in summary["history"]), "no validation inside unsharded"
+        ratio, kl = probe.metrics["actor/ratio_mean"], probe.metrics["actor/approx_kl"]
         assert abs(ratio - 1.0) < 1e-2 and kl < 1e-3, f"first-step ratio {ratio}, approx_kl {kl}"
-        return {"first_step_ratio_mean": ratio, "first_step_approx_kl": kl}
+        return {"first_step_ratio_mean": ratio, "first_step_approx_kl": kl, **probe.dtypes}
 
     return report(args.out)
 

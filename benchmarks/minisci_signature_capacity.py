@@ -1,18 +1,18 @@
 """Can a policy of a given size learn to read a tip's signature? Decision states only, each size from scratch.
 
-No tip prior built so far reads the signature its tips open with (README, "Tips that differ only in their
-signature"), and rounds from a built prior did not teach it: they start from a policy that has already learned to
-obey a tip block. This asks the question of the architecture alone. At the decision states of find-living-thing dev
-instances (`prior_tips.decision_states`), the examples of `decision_examples(resigned=True)`: the gold path's
-action under the instance's own signed tips, and the labeller's tip-free distribution under the same tips
-re-signed with another house's signature, and tip-free, so that only the signature tells the first two apart. A
+No tip prior built so far reads the signature its tips open with (reports/minisci_priors/README.md, "Tips that
+differ only in their signature"), and rounds from a built prior did not teach it: they start from a policy that has
+already learned to obey a tip block. This asks the question of the architecture alone. At the decision states of
+find-living-thing dev instances (`prior_tips.decision_states`), the examples of `decision_examples(resigned=True)`:
+the gold path's action under the instance's own signed tips, and the labeller's tip-free distribution under the same
+tips re-signed with another house's signature, and tip-free, so that only the signature tells the first two apart. A
 fresh model of each size (`models.build_tiny_model`, the labeller's tokenizer) is trained on them alone, and
-`decision_shift` gives P(gold action) tip-free / own gold tip / re-signed on ~300 of the states it trained at and
-on held-out house draws. A size that reads the signature opens a gap between the two; one that cannot fits about
-the mean of the two labels under both.
+`decision_shift` gives P(gold action) tip-free / own gold tip / re-signed on ~300 of the states it trained at and on
+held-out house draws. A size that reads the signature opens a gap between the two; one that cannot fits about the
+mean of the two labels under both.
 
     python benchmarks/minisci_signature_capacity.py --labeller outputs/priors/reader-v7 --sizes 4x128 4x256 \\
-        --out benchmarks/minisci_tips/signature_capacity.json
+        --out reports/minisci_priors/signature_capacity.json
 """
 
 from __future__ import annotations

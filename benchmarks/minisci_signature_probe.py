@@ -1,11 +1,11 @@
 """Is the signature match in a prior at all, and can the architecture learn it when told the answer?
 
 No tip prior reads the signature its tips open with, and neither rounds from a built prior nor training a fresh
-model on re-signed decision-state pairs taught it (README, "Tips that differ only in their signature";
-`minisci_signature_capacity.py`). Those runs teach the match only through actions, whose labels differ little
-between the two prompts. This asks for the match itself, at the decision states of find-living-thing dev instances,
-with `prior_tips.signature_match_examples` (the gold path's signed tip and the same tip re-signed with another
-house's signature; only the signature differs):
+model on re-signed decision-state pairs taught it (reports/minisci_priors/README.md, "Tips that differ only in
+their signature"; `minisci_signature_capacity.py`). Those runs teach the match only through actions, whose labels
+differ little between the two prompts. This asks for the match itself, at the decision states of find-living-thing
+dev instances, with `prior_tips.signature_match_examples` (the gold path's signed tip and the same tip re-signed
+with another house's signature; only the signature differs):
 
 1. the labeller's own hidden state at the prompt's last token, where it chooses its action: can a linear probe,
    per layer, tell the own tip from the re-signed one on held-out house draws? A reader of the signature must
@@ -18,11 +18,11 @@ house's signature; only the signature differs):
    held-out states before and after). `--save` keeps each told model and its head for later probes.
 
     python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 --steps 4000 \\
-        --out benchmarks/minisci_tips/signature_probe.json
+        --out reports/minisci_priors/signature_probe.json
     python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 12000 \\
-        --every 1000 --out benchmarks/minisci_tips/signature_probe_long.json   # the turn comes after ~7,000 steps
+        --every 1000 --out reports/minisci_priors/signature_probe_long.json   # the turn comes after ~7,000 steps
     python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 10000 \\
-        --every 1000 --save outputs/priors/told-v7 --out benchmarks/minisci_tips/signature_probe_told.json
+        --every 1000 --save outputs/priors/told-v7 --out reports/minisci_priors/signature_probe_told.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ policy's mean score per family (the exploration trap: it should stay far below t
 
     python benchmarks/minisci_speed.py [out.json] [--rounds N] [--hard]
 
-Writes JSON to the given path, or to minisci_speed.json next to this script.
+Writes JSON to the given path, or to benchmarks/results/minisci_speed.json.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def random_rollouts(env, rounds: int, seed: int, allow_focus: bool = True) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=str(Path(__file__).with_name("minisci_speed.json")))
+    parser.add_argument("out", nargs="?", default=str(Path(__file__).parent / "results" / "minisci_speed.json"))
     parser.add_argument("--rounds", type=int, default=3, help="passes over all test variations")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     parser.add_argument("--hard", action="store_true", help=f"use the hardest houses: {HARD}")
@@ -117,6 +117,7 @@ def main() -> None:
             f"random mean score {family:20s} {mean:5.1f} (ended by a wrong focus: {wrong:4.0%}); "
             f"without focus actions {explore[family]:5.1f}"
         )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -17,7 +17,7 @@ tip-free, under its own gold tip, under another house's, and (signed priors) und
 that house's signature, word for word its own tip but about another instance (`prior_tips.decision_shift`).
 
     python benchmarks/minisci_tip_sensitivity.py --models shipped= v7=outputs/priors/reader-v7 \\
-        --out benchmarks/minisci_tips/tip_sensitivity.json      (~1 min per model on 2 cores)
+        --out reports/minisci_priors/tip_sensitivity.json      (~1 min per model on 2 cores)
 
 A model is LABEL=PATH: a checkpoint folder (a build's cache, a probe's --out), or an empty PATH for the shipped
 reader (`model=minisci_tips_reader`).

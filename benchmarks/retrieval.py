@@ -3,7 +3,7 @@
 For each memory size: build time, index memory, recall@10 against exact search, and per-query
 latency (median, p99) of TipMemory.search, of the bare hnswlib query under it, and of exact
 numpy search (one query at a time, as a rollout step asks). Prints a table and writes JSON
-(next to this script unless a path is given).
+(benchmarks/results/ unless a path is given).
 
     python benchmarks/retrieval.py                       # 10k and 100k
     python benchmarks/retrieval.py --sizes 10000 --data iid
@@ -99,7 +99,7 @@ def bench(n: int, n_queries: int, kind: str, k: int, ef_search: int, seed: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", nargs="?", type=Path, default=Path(__file__).with_name("retrieval.json"))
+    parser.add_argument("out", nargs="?", type=Path, default=Path(__file__).parent / "results" / "retrieval.json")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--with-1m", action="store_true", help="also measure 1,000,000 tips")
     parser.add_argument("--queries", type=int, default=500)
@@ -121,6 +121,7 @@ def main() -> None:
               f"{r['exact_median_ms']:>8.3f}/{r['exact_p99_ms']:<8.3f} {r['speedup_median']:>7.1f}x", flush=True)
     report = {"machine": platform.platform(), "processor": platform.processor(), "dim": DIM,
               "queries": args.queries, "results": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
 

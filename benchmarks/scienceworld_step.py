@@ -9,7 +9,7 @@ Replays the package's gold paths (so every step does real work) on a few tasks, 
   adapter falls back to the valid list and Jaccard correction (the slow path).
 
 Usage: `python benchmarks/scienceworld_step.py [--out results.json] [--repeats 3] [--tasks a b ...]`.
-Prints a table and writes JSON (default: scienceworld_step.json next to this script).
+Prints a table and writes JSON (default: benchmarks/results/scienceworld_step.json).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _time_adapter(env, task: str, variation: int, gold: list[str], mode: str) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("scienceworld_step.json"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scienceworld_step.json")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tasks", nargs="+", default=DEFAULT_TASKS)
     parser.add_argument("--variation", type=int, default=0)

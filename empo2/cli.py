@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--timeout", type=float, help="seconds after which no new trial starts")
             p.add_argument("--storage", help="Optuna storage URL (default: the file's, else sqlite in the run root); "
                                              "postgresql://USER@HOST/DB shares one study between workers on many "
-                                             "nodes, started in any order (README: Team scale)")
+                                             "nodes, started in any order (docs/team_scale.md)")
             p.set_defaults(func=_cmd_sweep)
         else:
             p.add_argument("--experiment", required=True, help="MLflow experiment name")
@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def quiet_libraries() -> None:
     """Library chatter off at its source: Lightning's INFO lines (accelerator banner, adverts, "`max_epochs`
-    reached") and its own deprecation notices, transformers' info and weight-loading bars, MLflow's INFO.
+    reached") and its own deprecation notices, transformers' info and weight-loading bars, MLflow's INFO, vLLM's
+    INFO and warnings.
     Their other warnings and errors stay."""
     import logging
     import warnings
@@ -318,6 +319,16 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning on torch 2.13
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # resume
+    # per-iteration means are logged from rank 0 by design; with engine=vllm the process group vLLM opens for
+    # itself (one process) makes Lightning say this of every metric
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
+    # vLLM (engine=vllm): its logger is configured from this when first imported; its import-time deprecation
+    # notices; and the CPU build's NUMA-binding notice, a C++ warning that only torch's C++ log level reaches
+    # (read when torch is first imported, which has not happened yet)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

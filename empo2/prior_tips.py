@@ -75,16 +75,16 @@ class TipPriorSettings(BCSettings):
     # Chance per instance of a prior-driven episode under tips of another variation of its family, none of which
     # names a thing of this task (so nothing in them applies, though they read like its own). 0 in builds up to 5,
     # where every kind with tips but IRRELEVANT avoids the trap, and a reader learns that a tip block, whatever
-    # it says, switches the trap off (README, "A tip works on this reader by being there"); with it and
-    # `irrelevant_rate` at 1 about as many episodes are under tips that do not apply as avoid the trap for what
-    # a tip says (README, "Labelling with the scripted prior-driven agent").
+    # it says, switches the trap off (reports/minisci_priors, "A tip works on this reader by being there"); with
+    # it and `irrelevant_rate` at 1 about as many episodes are under tips that do not apply as avoid the trap for
+    # what a tip says (reports/minisci_priors, "Labelling with the scripted prior-driven agent").
     other_variation_rate: float = 0.0
     # Every hindsight tip opens with the words of its task that tell its instance from another of the family
     # (`Goal: red box, kitchen.`: `Task.signature`), so a reader can tell a tip of its own instance from one of
     # another house by comparing it with its task. Off in builds up to 6, whose tips carry no such words: there
     # a tip about another house of the family says what a true tip says (a thing of the task's category, a room,
-    # a won episode) and cannot be told apart before the house is searched (README, "Labelling only tips it can
-    # tell apart"). Costs ~8 tokens per tip.
+    # a won episode) and cannot be told apart before the house is searched (reports/minisci_priors, "Labelling
+    # only tips it can tell apart"). Costs ~8 tokens per tip.
     tip_signature: bool = False
     # Chance per instance of a prior-driven episode under 1-3 tips of another variation of its family, whatever
     # they name (another house's tips, read as a reader sees them when tips are pooled per task). Needs
@@ -439,7 +439,7 @@ def cached_prior(settings: TipPriorSettings, start=None):
 # be guessed without reading the episode. Its own episodes are not like that: it focuses on whichever look-alike
 # it samples. `self_play_examples` gives tip-writing examples from episodes the prior plays itself, labelled
 # with what those episodes showed (DAgger for the tip writer); benchmarks/minisci_tips_self_play_probe.py
-# fine-tunes on them and the README reports what that changes.
+# fine-tunes on them and reports/minisci_priors reports what that changes.
 
 SELF_PLAY_CHUNK = 64  # instances played side by side (one generate call per step over all of them)
 

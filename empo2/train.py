@@ -70,13 +70,15 @@ def generation_logprobs_exact(cfg: TrainConfig) -> bool:
             and cfg.model.dtype == "float32")
 
 
-def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int):
+def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True):
+    """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
+    (training builds it once the strategy has opened the process group: `RolloutCallback.setup`)."""
     from empo2.memory import Embedder, TipMemory
     from empo2.rollout.collector import CollectorSettings, RolloutCollector
     from empo2.rollout.engines import build_engine
     from empo2.rollout.prompts import PromptBuilder
 
-    engine = build_engine(cfg.engine, model, tokenizer, model_path=cfg.model.path)
+    engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
     builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
                             max_request_tokens=cfg.rollout.max_tip_request_tokens)
@@ -229,11 +231,15 @@ def start_lines(cfg: TrainConfig, run_dir: Path, mlflow_run: str | None) -> list
 
 
 def state_fingerprint(model) -> str:
-    """sha256 over every parameter's bytes, in name order."""
+    """sha256 over every parameter's bytes, in name order; a sharded (FSDP) parameter is gathered first, so every
+    rank takes part."""
     import hashlib
+
+    from torch.distributed.tensor import DTensor
 
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
+        p = p.full_tensor() if isinstance(p, DTensor) else p
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -319,7 +325,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy,
                          temperature=cfg.rollout.temperature)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))
-    collector = build_collector(cfg, model, tok, n_envs)
+    collector = build_collector(cfg, model, tok, n_envs, with_engine=False)
     rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks, train_val_tasks)
     ckpt_dir = run_dir / "checkpoints"
     ckpt_cb = IterationCheckpoint(ckpt_dir, cfg.trainer.ckpt_every)

@@ -36,6 +36,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(target, world: int = 2, timeout: float = 180) -> list:
+    """`target(rank, port, results)` in `world` spawned processes that meet on a free loopback port; each puts one
+    result on the queue. Returns the results sorted; fails when a process does not exit cleanly in time."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, port, results)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return sorted(results.get(timeout=5) for _ in procs)
+
+
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may run as a user who cannot read the stdlib
 
 

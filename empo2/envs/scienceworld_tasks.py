@@ -26,7 +26,7 @@ from empo2.envs.base import SPLITS, Catalogue
 # No budget is shorter than the package's own gold path. benchmarks/scienceworld_gold_paths.py plays
 # the gold path through the adapter under "easy" on every train variation and the first 20 test
 # variations (what the project trains and validates on) and records the longest, in adapter steps
-# (benchmarks/results/scienceworld_gold_paths.json; tests/integration/test_scienceworld.py checks
+# (reports/scienceworld_gold_paths/scienceworld_gold_paths.json; tests/integration/test_scienceworld.py checks
 # the table against it). Where the base is shorter, the budget is that longest gold path + 10%,
 # rounded up to a multiple of 5 (in brackets below: base, longest gold path). The 10% is there
 # because the gold path is not fixed: the simulator draws it again at every load and its length

@@ -13,7 +13,7 @@ a resumed run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
-import contextlib
+import time
 
 import lightning as L
 import numpy as np
@@ -26,8 +26,9 @@ from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed, step_counts
 from empo2.lit.progress import Phase
+from empo2.lit.strategy import unsharded
 from empo2.rollout.collector import RolloutCollector
-from empo2.rollout.engines import full_named_tensors
+from empo2.rollout.engines import build_engine, full_named_tensors
 
 
 def _to_torch(obj):
@@ -52,14 +53,9 @@ def _to_numpy(obj):
 
 
 def full_params(trainer: L.Trainer):
-    """Under FSDP, the policy's unsharded weights for calls made outside the wrapped module's own forward
-    (HF generation, old log-probs); elsewhere nothing to do."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    wrapped = trainer.strategy.model
-    if isinstance(wrapped, FSDP):
-        return FSDP.summon_full_params(wrapped, writeback=False, recurse=True)
-    return contextlib.nullcontext()
+    """Under FSDP, the policy's full weights for calls made outside a training step (HF generation, old log-probs,
+    validation), gathered once rather than per forward (`unsharded`); elsewhere nothing to do."""
+    return unsharded(trainer.lightning_module)
 
 
 class RolloutCallback(L.Callback):
@@ -77,10 +73,17 @@ class RolloutCallback(L.Callback):
         # restored any checkpoint: the first rollout of every fit syncs it, so a resumed run never samples
         # from the weights it started with.
         self._engine_synced = False
+        self._sync_s = 0.0  # seconds spent loading weights into the engine since the last iteration's stats
         self.phase = Phase()  # rollouts, update or validation, with its count (the progress bar shows it)
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
+        if self.collector.engine is None:
+            # Built here, once the strategy has opened the process group: under ddp/fsdp vLLM then joins it (an
+            # engine per rank) rather than opening a one-process group of its own, which the strategy would then
+            # take for the whole world.
+            self.collector.engine = build_engine(self.cfg.engine, pl_module.policy, self.collector.builder.tokenizer,
+                                                 seed=self.cfg.seed)
         self._engine_synced = False
         self.datamodule.producer = lambda: self.produce(trainer, pl_module)
 
@@ -146,11 +149,14 @@ class RolloutCallback(L.Callback):
         stats = dict(batch.stats, **{"train/iteration": float(it), "train/env_steps": float(self.env_steps),
                                      "algo/beta": self.collector.settings.beta})
         stats["env/restarts"] = float(self._env_restarts())
+        stats["time/weight_sync_s"], self._sync_s = self._sync_s, 0.0  # the syncs since the last iteration's stats
         self._log(trainer, it, stats)
 
     def _sync_engine(self, pl_module) -> None:
         # full tensors with Hugging Face names (FSDP gathered, LoRA merged); lazy, so HFEngine costs nothing
+        start = time.perf_counter()
         self.collector.engine.update_weights(full_named_tensors(pl_module.policy))
+        self._sync_s += time.perf_counter() - start
         self._engine_synced = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from empo2 import core_algos
 from empo2.config import AlgoConfig, TrainerConfig
 from empo2.errors import NonFiniteLossError
 from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
+from empo2.lit.strategy import FSDP2Strategy, is_sharded
 from empo2.prefix_cache import PrefixCaches, cheapest_runs
 from empo2.rollout.types import StepSample
 from empo2.utils import release_free_memory
@@ -100,7 +102,10 @@ class EMPO2Module(L.LightningModule):
         last pass using it is done, a second full set of gradients (SmolLM2: 0.5 GiB); pass by pass, each
         reaches `.grad` at once. Shared prefixes tie the passes together, so with them the graph stays whole."""
         T = batch["response_ids"].shape[1]
-        if batch["input_ids"].device.type != "cpu":
+        # Sharded (FSDP), every rank must run the same forwards, whatever its rows: each gathers and reduces layers
+        # (the passes below depend on the lengths), and a decoder called alone (the prefix pass) bypasses the root
+        # unit that gathers the embeddings.
+        if batch["input_ids"].device.type != "cpu" or is_sharded(model):
             return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False).logits
         mask = batch["attention_mask"].bool()  # (B, P+T): a row's real tokens are contiguous
@@ -294,10 +299,9 @@ class EMPO2Module(L.LightningModule):
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        wrapped = self.trainer.strategy.model if self._trainer is not None else None
-        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: norms over sharded gradients
-            return float(wrapped.clip_grad_norm_(self.tcfg.grad_clip))
-        return float(torch.nn.utils.clip_grad_norm_(params, self.tcfg.grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(params, self.tcfg.grad_clip)
+        # FSDP2: the norm of sharded gradients is a DTensor of per-rank partial sums; every rank gets the total
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _set_lr(self, opt) -> None:
         """Linear warm-up over optimiser steps, then constant or cosine over iterations. A function of the
@@ -308,6 +312,12 @@ class EMPO2Module(L.LightningModule):
             factor *= 0.5 * (1 + math.cos(math.pi * self.current_epoch / max(t.iterations, 1)))
         for group in opt.param_groups:
             group["lr"] = t.lr * factor
+
+    def configure_model(self) -> None:
+        """Lightning's hook for sharding, run once the processes are up and before the optimiser is made: under
+        `trainer=fsdp` the strategy shards the policy; other strategies have nothing to do."""
+        if isinstance(self.trainer.strategy, FSDP2Strategy):
+            self.trainer.strategy.shard(self.policy)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -1,33 +1,163 @@
-"""The Lightning strategy for a trainer config: the `fsdp` preset shards on the policy's decoder layers."""
+"""The Lightning strategy for a trainer config: `fsdp` shards the policy with FSDP2 (`fully_shard`), one unit per
+decoder layer plus the root, on GPUs (NCCL) or CPUs (gloo); every other strategy passes through by name.
+
+Under FSDP2 the module keeps its class and names; its parameters become DTensor shards, gathered by forward hooks
+(one layer at a time) and reduce-scattered in backward. Checkpoints hold one full state dict, in the layout every
+other strategy writes (parameter names, optimizer state keyed by the optimizer's parameter order): a checkpoint moves
+between fsdp on any number of processes, ddp, a single process and `empo2 eval`.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from empo2.config import TrainConfig
 
 
 def decoder_layer_classes(model) -> set[type]:
     """The transformer block classes of a Hugging Face model (its `_no_split_modules`), found among its
-    submodules: FSDP wraps each block as one unit, so a forward gathers one layer's weights at a time."""
+    submodules: FSDP shards each block as one unit, so a forward gathers one layer's weights at a time."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); FSDP needs one "
-                         f"to wrap")
+                         f"to shard on")
     return classes
 
 
+def hf_model(policy):
+    """The Hugging Face model of a policy: inside a peft wrapper, the wrapped model. Every call of the policy,
+    `generate` included (peft sends it straight to the wrapped model), goes through this module's forward."""
+    return policy.get_base_model() if hasattr(policy, "peft_config") else policy
+
+
+def shard_policy(policy, mesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2 on the policy, in place: each decoder layer one unit, then the Hugging Face model as the root unit
+    (embeddings, final norm, LM head; tied weights stay one parameter). LoRA adapters are sharded with the layer
+    they sit in; frozen and trainable parameters share units. Activation checkpointing, when on, is the model's own
+    (`gradient_checkpointing_enable`): it recomputes inside each layer's call, where FSDP gathers the layer again."""
+    root = hf_model(policy)
+    layers = decoder_layer_classes(root)
+    for module in root.modules():
+        if type(module) in layers:
+            # gathered for its forward, freed after it, gathered again for its backward: one layer's weights at a time
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
+    # the backward starts with the LM head: the root stays gathered from its forward to its backward
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+def is_sharded(module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+@contextlib.contextmanager
+def unsharded(module):
+    """The full weights of every FSDP2 unit in `module` for the duration, for calls made outside a training step
+    (HF generation, old log-probs, validation), whose number of forwards differs between ranks. Each unit is
+    gathered once on entry (every rank, same order) and kept gathered: a forward then issues no collective. On exit
+    the units are sharded again and get back `shard_policy`'s plan (the root kept gathered after its forward, the
+    layers not). Nothing happens for a module without FSDP units."""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # pre-order: the root first
+    if not units:
+        yield
+        return
+    root = units[0]
+    # FSDP2 takes the first unit to run a forward for the root, and the HF engine's prefill calls the decoder, and so
+    # its layers, without the model's forward: name the root before any of that (idempotent)
+    root._get_fsdp_state()._lazy_init()
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not root, recurse=False)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's FSDP2 strategy with data parallelism only: one mesh dimension over all processes of all nodes.
+
+    Lightning calls `EMPO2Module.configure_model` after the process group is up, which calls `shard`. Mixed
+    precision (`bf16-mixed`) on a GPU also gathers the weights in bfloat16 (`MixedPrecisionPolicy`; gradients are
+    reduced in float32); on a CPU the weights stay float32."""
+
+    def __init__(self, mixed_precision: bool):
+        super().__init__(save_distributed_checkpoint=False)
+        self.mixed_precision = mixed_precision
+
+    def setup_environment(self) -> None:
+        # before Lightning builds the (data parallel, tensor parallel) mesh: every process shards, none splits tensors
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def shard(self, policy) -> None:
+        if is_sharded(policy):  # configure_model runs again for every fit of the same module
+            return
+        bf16 = self.mixed_precision and self.root_device.type == "cuda"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+            MixedPrecisionPolicy()
+        shard_policy(policy, self.device_mesh["data_parallel"], mp)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The full optimizer state on rank 0 (empty elsewhere), keyed as `torch.optim` keys it: by the parameter's
+        place in the optimizer (Lightning's own keys by the place in the module, which differs under LoRA)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        state = get_optimizer_state_dict(self.model, optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not state:  # not rank 0
+            return state
+        return _rekeyed(state, {name: i for i, name in enumerate(_optimizer_names(self.model, optimizer))})
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """A full checkpoint (written by this strategy on any number of processes, or by any other strategy) into
+        the sharded module and optimizer: rank 0's tensors are broadcast, each rank keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                   strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            named = _rekeyed(state, dict(enumerate(_optimizer_names(self.model, optimizer))))
+            set_optimizer_state_dict(self.model, optimizer, named, options=options)
+        return checkpoint
+
+
+def _optimizer_names(model, optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in the optimizer's order (a tied parameter under its first
+    name, as the state dicts name it)."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, param in model.named_parameters():
+        names.setdefault(param, name)
+    return [names[p] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _rekeyed(state: dict[str, Any], keys: dict) -> dict[str, Any]:
+    """An optimizer state dict with its parameter keys mapped through `keys` (names <-> torch.optim's indices)."""
+    return {"state": {keys[k]: v for k, v in state["state"].items()},
+            "param_groups": [dict(g, params=[keys[k] for k in g["params"]]) for g in state["param_groups"]]}
+
+
 def build_strategy(cfg: TrainConfig, model):
-    """A strategy object for `fsdp` (auto-wrap on decoder layers, activation checkpointing when
-    `model.gradient_checkpointing`, full state dicts in checkpoints); Lightning's own name otherwise."""
+    """A strategy object for `fsdp`; Lightning's own name otherwise. `model` is the policy before sharding: a
+    decoder layer class must be found now, not after the processes have started."""
     if cfg.trainer.strategy != "fsdp":
         return cfg.trainer.strategy
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    layers = decoder_layer_classes(model)
-    return FSDPStrategy(
-        auto_wrap_policy=layers,
-        activation_checkpointing_policy=layers if cfg.model.gradient_checkpointing else None,
-        state_dict_type="full",  # one file, loadable on any number of GPUs and by `empo2 eval`
-        use_orig_params=True,  # LoRA: frozen and trainable parameters share FSDP units
-        limit_all_gathers=True,
-    )
+    decoder_layer_classes(hf_model(model))
+    return FSDP2Strategy(mixed_precision=cfg.trainer.precision == "bf16-mixed")

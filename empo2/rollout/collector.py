@@ -83,10 +83,10 @@ class CollectorSettings:
 
 
 class RolloutCollector:
-    def __init__(self, engine: GenerationEngine, builder: PromptBuilder, envs: list[TextEnv],
+    def __init__(self, engine: GenerationEngine | None, builder: PromptBuilder, envs: list[TextEnv],
                  memory: TipMemory | None, embedder: Embedder | None, settings: CollectorSettings,
                  special_tokens: list[str] | None = None, rank: int = 0) -> None:
-        self.engine, self.builder, self.envs = engine, builder, envs
+        self.engine, self.builder, self.envs = engine, builder, envs  # engine None: set by the owner before collect
         self.memory, self.embedder, self.settings = memory, embedder, settings
         self.special_tokens = list(special_tokens or [])
         self.rank = rank

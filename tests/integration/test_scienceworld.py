@@ -26,7 +26,7 @@ from empo2.envs.scienceworld import (
 )
 from empo2.envs.scienceworld_tasks import catalogue, catalogue_cache_path
 
-GOLD_PATHS = Path(__file__).parents[2] / "benchmarks" / "results" / "scienceworld_gold_paths.json"
+GOLD_PATHS = Path(__file__).parents[2] / "reports" / "scienceworld_gold_paths" / "scienceworld_gold_paths.json"
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs `java` on PATH")
 
 

