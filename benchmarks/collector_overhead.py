@@ -21,7 +21,7 @@ import torch
 from empo2.config import load_config
 from empo2.envs import get_catalogue
 from empo2.models import load_policy
-from empo2.train import build_collector
+from empo2.rollout.build import build_collector
 
 
 def main() -> None:

@@ -78,7 +78,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from empo2.config import ModelConfig
-    from empo2.models import apply_lora, ensure_smollm2
+    from empo2.model_io import ensure_smollm2
+    from empo2.models import apply_lora
     from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
     from empo2.rollout.prompts import PromptBuilder
 

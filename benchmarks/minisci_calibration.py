@@ -56,10 +56,11 @@ import torch
 from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
-from empo2.models import checkpoint_folder, load_policy
+from empo2.model_io import checkpoint_folder
+from empo2.models import load_policy
 from empo2.prior_tips import tips_signed
+from empo2.rollout.build import build_collector, env_kwargs
 from empo2.stats import bootstrap_ci
-from empo2.train import build_collector, env_kwargs
 
 
 def parse_setting(text: str) -> list[str]:

@@ -34,7 +34,8 @@ from empo2.cli import quiet_libraries  # noqa: E402
 quiet_libraries()
 
 from empo2.config import ConfigError, load_config  # noqa: E402
-from empo2.models import build_tiny_model, load_policy  # noqa: E402
+from empo2.model_io import build_tiny_model  # noqa: E402
+from empo2.models import load_policy  # noqa: E402
 from empo2.prior import behaviour_clone, dev_instances  # noqa: E402
 from empo2.prior_tips import TipPriorSettings, decision_examples, decision_shift, decision_states  # noqa: E402
 

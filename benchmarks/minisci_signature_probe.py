@@ -46,8 +46,8 @@ quiet_libraries()
 
 from minisci_signature_capacity import labeller_and_states, size  # noqa: E402
 
-from empo2.config import MINISCI_TIPS_LAYOUT  # noqa: E402
-from empo2.models import build_tiny_model, save_cached_checkpoint  # noqa: E402
+from empo2.model_io import build_tiny_model, save_cached_checkpoint  # noqa: E402
+from empo2.model_presets import MINISCI_TIPS_LAYOUT  # noqa: E402
 from empo2.prior_tips import (  # noqa: E402
     decision_shift,
     signature_match_accuracy,

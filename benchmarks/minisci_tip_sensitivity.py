@@ -38,7 +38,7 @@ from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.models import load_policy
 from empo2.prior_tips import action_log_probs, decision_shift, decision_states, tips_signed
-from empo2.train import build_collector, env_kwargs
+from empo2.rollout.build import build_collector, env_kwargs
 
 KINDS = ("gold", "trapped", "other_house", "other_task")
 

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from empo2.models import _load_local
+from empo2.model_io import load_local
 from empo2.prior import TARGET, _batch, ready_path
 from empo2.prior_tips import KINDS, TipPriorSettings, dev_episodes, prompt_builder, training_sequences
 
@@ -40,7 +40,7 @@ def main(per_kind: int = 48, batch: int = 8) -> None:
     path = ready_path("minisci-tips", settings)
     if path is None:
         raise SystemExit("no minisci-tips with the current settings: build it first (any run with model=minisci_tips)")
-    model, tok = _load_local(path, torch.float32)  # the tokenizer it was trained with
+    model, tok = load_local(path, torch.float32)  # the tokenizer it was trained with
     model.eval()
     sequences = training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
     rng = random.Random(0)

@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import MINISCI_TIPS_LAYOUT
 from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
-from empo2.models import save_cached_checkpoint
+from empo2.model_io import save_cached_checkpoint
+from empo2.model_presets import MINISCI_TIPS_LAYOUT
 from empo2.prior import behaviour_clone, dev_instances
 from empo2.prior_tips import (
     KINDS,

@@ -1,5 +1,5 @@
 """What one more decoder pass costs the CPU update, in positions: the constant `length_buckets` weighs padding
-against passes with (`empo2.lit.module.PASS_COST`).
+against passes with (`empo2.lit.packing.PASS_COST`).
 
 For each model, the forward and backward of one right-padded row as the update runs it (no mask, logits kept at
 its last 13 positions, every parameter's `.grad` already allocated, as after a micro-batch's first pass) at
@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     quiet_libraries()  # before transformers is imported: its weight-loading bars read the setting once
     from empo2.config import load_config
-    from empo2.lit.module import PASS_COST
+    from empo2.lit.packing import PASS_COST
     from empo2.models import load_policy
 
     torch.set_num_threads(args.threads)

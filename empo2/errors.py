@@ -2,6 +2,10 @@
 loading Lightning."""
 
 
+class ConfigError(ValueError):
+    """A config value or key that is not allowed. The message is a single line meant for users."""
+
+
 class NonFiniteLossError(RuntimeError):
     """Raised after `trainer.max_nonfinite_steps` consecutive skipped steps (a checkpoint is saved first)."""
 

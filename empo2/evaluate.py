@@ -25,6 +25,7 @@ from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, load_config, to_dict, validate
 from empo2.envs import TaskSpec, get_catalogue
+from empo2.runs import run_tags, tracking_uri
 from empo2.utils import atomic_write_json
 
 # torch and Lightning (for derive_seed) are imported where used: a mistyped argument is reported in a
@@ -107,7 +108,7 @@ def _collector(cfg: TrainConfig, ckpt: Path | None, n_envs: int, with_memory_sta
 
     from empo2.lit.callbacks import RolloutCallback
     from empo2.models import load_policy
-    from empo2.train import build_collector
+    from empo2.rollout.build import build_collector
 
     model, tok = load_policy(cfg.model)
     state = torch.load(ckpt, map_location="cpu", weights_only=True) if ckpt is not None else None
@@ -307,7 +308,6 @@ def record_run(cfg: TrainConfig, ckpt: Path | None, kind: str, options: dict, me
     from mlflow.tracking import MlflowClient
 
     from empo2.tracking import experiment_id, first_line, quick_requests, upload
-    from empo2.train import run_tags, tracking_uri
 
     source_id, source_uri = _source_run(ckpt)
     # a tracking URI given for this command wins; else the training run's (absolute) one

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from empo2.config import ConfigError
+from empo2.errors import ConfigError
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 PRESET_KEYS = ("base", "overrides")

@@ -23,6 +23,7 @@ from pathlib import Path
 from empo2.config import ConfigError, TrainConfig, load_config, to_dict
 from empo2.experiments import check_keys, read_yaml, string_list
 from empo2.launch import WorkerPool, hydra_quote, last_line, log_run_files
+from empo2.runs import tracking_uri
 
 GRID_KEYS = ("name", "mlflow_experiment", "presets", "seeds", "overrides")
 
@@ -126,7 +127,6 @@ def _prepare_tracking(runs: list[GridRun]) -> None:
     from mlflow.tracking import MlflowClient
 
     from empo2.tracking import experiment_id
-    from empo2.train import tracking_uri
 
     for uri, name in sorted({(tracking_uri(r.cfg), r.cfg.logger.experiment) for r in runs}):
         if uri.startswith("sqlite:///"):

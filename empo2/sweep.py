@@ -26,6 +26,7 @@ from pathlib import Path
 
 from empo2.config import ConfigError
 from empo2.launch import WorkerPool, hydra_quote, last_line
+from empo2.runs import check_tracking, tracking_uri
 from empo2.sweep_spec import Param, SweepSpec, load_sweep, make_pruner, make_sampler
 from empo2.sweep_storage import open_storage, shown_url, storage_lock
 
@@ -41,7 +42,6 @@ def _parent_run(study, spec: SweepSpec, storage_url: str) -> str:
     from mlflow.tracking import MlflowClient
 
     from empo2.tracking import experiment_id
-    from empo2.train import tracking_uri
 
     uri = tracking_uri(spec.cfg)
     if uri.startswith("sqlite:///"):
@@ -151,7 +151,6 @@ def run_sweep(path: str | Path, workers: int = 1, overrides: list[str] | tuple =
     root = Path(spec.cfg.run_root).expanduser().resolve()
     url = storage or spec.storage or f"sqlite:///{root / 'optuna.db'}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the driver prints its own lines
-    from empo2.train import check_tracking, tracking_uri
 
     if not tracking_uri(spec.cfg).startswith("sqlite:"):  # a tracking server that is down: one line, now
         check_tracking(spec.cfg)
@@ -294,7 +293,6 @@ def _close_parent(spec: SweepSpec, run_id: str, result: dict) -> None:
     and MLflow params cannot change), then mark it finished."""
     from mlflow.tracking import MlflowClient
 
-    from empo2.train import tracking_uri
 
     client = MlflowClient(tracking_uri(spec.cfg))
     try:

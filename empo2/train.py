@@ -14,94 +14,11 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, TrainConfig, to_dict
-from empo2.envs import TaskSpec, get_catalogue, make_env
+from empo2.config import ConfigError, TrainConfig, to_dict
 from empo2.errors import Interrupted
 from empo2.models import load_policy
+from empo2.runs import check_tracking, run_tags, tracking_uri
 from empo2.utils import atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
-
-
-def env_kwargs(cfg: TrainConfig) -> dict:
-    """Constructor arguments of the configured environment (ScienceWorld takes a few more)."""
-    kw = {"action_correction": cfg.env.action_correction, "reward_scale": cfg.env.reward_scale}
-    if cfg.env.max_steps is not None:
-        kw["max_steps"] = cfg.env.max_steps
-    if cfg.env.name == "scienceworld":
-        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
-    if cfg.env.name == "minisci":
-        kw.update({f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
-    if cfg.env.name == "textworld":
-        kw["generation_timeout_s"] = cfg.env.generation_timeout_s
-    return kw
-
-
-def validation_tasks(cfg: TrainConfig, on_train: bool = False) -> list[TaskSpec]:
-    """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
-    two runs (and two iterations of one run) are always scored on the same instances. With `on_train`, the
-    first ones of the variations the run trains on (`train_split`, within `train_variations`)."""
-    cat = get_catalogue(cfg.env.name)
-    tasks = cfg.env.tasks or cat.tasks()
-    split, n = cfg.env.val_split, cfg.env.val_variations
-    if on_train:
-        split, n = cfg.env.train_split, min(n, cfg.env.train_variations or n)
-    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n]]
-
-
-def episode_step_bound(cfg: TrainConfig, env) -> int:
-    """How many lock-step steps a collection may run: `env.max_steps`, else the longest per-task budget of
-    the run's tasks where the environment has a budget table (ScienceWorld's reach 880 steps), and never
-    below 100 (the environments end their episodes themselves; the bound is also the width of the mode
-    draws, so it stays fixed for a given config)."""
-    if cfg.env.max_steps is not None:
-        return cfg.env.max_steps
-    budget = getattr(env, "budget", None)
-    if budget is None:
-        return 100
-    tasks = cfg.env.tasks or get_catalogue(cfg.env.name).tasks()
-    return max(100, *(budget(t) for t in tasks))
-
-
-def generation_logprobs_exact(cfg: TrainConfig) -> bool:
-    """Whether `generate` samples from exactly the distribution the update scores as the behaviour policy:
-    the HF engine runs on the policy module itself (same weights), outside any autocast, so only a 32-bit
-    update scores in the same precision; float32 weights keep the two passes' difference at float32 rounding
-    (bfloat16 matmuls summed in another order differ by far more); the temperature is the rollout's on both."""
-    return (cfg.rollout.generation_logprobs and cfg.engine.name == "hf" and cfg.trainer.precision == "32-true"
-            and cfg.model.dtype == "float32")
-
-
-def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True):
-    """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
-    (training builds it once the strategy has opened the process group: `RolloutCallback.setup`)."""
-    from empo2.memory import Embedder, TipMemory
-    from empo2.rollout.collector import CollectorSettings, RolloutCollector
-    from empo2.rollout.engines import build_engine
-    from empo2.rollout.prompts import PromptBuilder
-
-    engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
-    builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                            history_turns=cfg.rollout.history_turns,
-                            max_request_tokens=cfg.rollout.max_tip_request_tokens)
-    envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
-    memory = embedder = None
-    if cfg.memory.enabled:
-        embedder = Embedder(cfg.memory.embedder_path)
-        m = cfg.memory
-        memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
-                           eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
-                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed)
-    a, r = cfg.algo, cfg.rollout
-    settings = CollectorSettings(
-        p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
-        adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-        max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
-        max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
-        tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
-        step_entry_key=cfg.memory.step_entry_key,
-        key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
-        record_logprobs=generation_logprobs_exact(cfg))
-    specials = list(getattr(tokenizer, "all_special_tokens", []))
-    return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -132,15 +49,14 @@ def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     return None
 
 
-def tracking_uri(cfg: TrainConfig) -> str:
-    """The run's MLflow tracking URI: `logger.tracking_uri`, else a sqlite file under the run root."""
-    return cfg.logger.tracking_uri or f"sqlite:///{Path(cfg.run_root).expanduser().resolve() / 'mlflow.db'}"
-
-
 def resume_run_name(cfg: TrainConfig) -> str | None:
     """The run folder name: `run_name`; with `resume=auto` and no name, the newest unfinished run under
     `run_root` (a checkpoint and no summary.json), so a bare `resume=auto` never silently starts over."""
     name = cfg.run_name or os.environ.get("EMPO2_RUN_NAME")
+    if not name and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # processes started by torchrun: each would name its own folder after its own clock
+        raise ConfigError("run_name is required when torchrun starts the processes: give run_name=NAME so every "
+                          "rank writes into the same run folder")
     if name or cfg.resume != "auto":
         return name
     root = Path(cfg.run_root).expanduser()
@@ -154,53 +70,6 @@ def resume_run_name(cfg: TrainConfig) -> str | None:
     newest = max(unfinished, key=lambda d: checkpoint_files(d / "checkpoints")[0].stat().st_mtime)
     print(f"resume=auto: resuming the newest unfinished run, {newest}")
     return str(newest.relative_to(root))
-
-
-def check_tracking(cfg: TrainConfig) -> None:
-    """Fail before any work when the MLflow tracking store cannot be reached (a server that is down, a
-    sqlite file that cannot be opened), instead of at the first metric, minutes or hours in."""
-    if cfg.logger.name == "none":
-        return
-    import mlflow
-
-    from empo2.tracking import first_line, quick_requests
-
-    uri = tracking_uri(cfg)
-    try:
-        with quick_requests():
-            mlflow.MlflowClient(uri).search_experiments(max_results=1)
-    except Exception as e:
-        raise ConfigError(f"logger.tracking_uri={uri!r} cannot be reached: {first_line(e, 200)} "
-                          f"(start the tracking server, fix the URI, or use logger=none)") from None
-
-
-def source_version() -> dict[str, str]:
-    """`git_commit` (with `-dirty` when the checkout has uncommitted changes) of the code that runs, when it
-    runs from a git checkout; nothing otherwise (an installed wheel)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return {}
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return {"git_commit": commit + ("-dirty" if dirty else "")} if commit else {}
-
-
-def run_tags(cfg: TrainConfig, kind: str = "train") -> dict[str, str]:
-    """The MLflow tags of a run made with this config: what it is (`kind`: train, eval, adapt), algo, env,
-    model, seed, preset, the code's git commit, then `logger.tags` (grid, sweep, trial, the user's own)."""
-    tags = {"kind": kind, "algo": cfg.algo.name, "env": cfg.env.name, "model": cfg.model.name,
-            "seed": str(cfg.seed), **source_version()}
-    if cfg.experiment:
-        tags["preset"] = cfg.experiment
-    tags.update({str(k): str(v) for k, v in cfg.logger.tags.items()})
-    return tags
 
 
 def _logger(cfg: TrainConfig, run_dir: Path):
@@ -299,6 +168,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     from empo2.lit.module import EMPO2Module
     from empo2.lit.progress import IterationProgressBar
     from empo2.lit.strategy import build_strategy
+    from empo2.rollout.build import build_collector, validation_tasks
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)

@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes, seeding, run folders."""
+"""Small shared helpers: atomic file writes, seeding, run folders, the cache folder."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+
+def cache_root() -> Path:
+    """`$EMPO2_CACHE`, default `~/.cache/empo2`: converted models, environment catalogues, games."""
+    return Path(os.environ.get("EMPO2_CACHE") or Path.home() / ".cache" / "empo2")
 
 
 def seed_everything(seed: int) -> None:

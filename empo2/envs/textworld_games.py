@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from empo2.envs.base import Catalogue, hash_splits, stable_hash
-from empo2.utils import fsync_path
+from empo2.utils import cache_root, fsync_path
 
 CHALLENGES = ("tw-coin_collector", "tw-treasure_hunter", "tw-cooking", "tw-simple")
 
@@ -159,8 +159,6 @@ def game_seed(task: str, variation: int) -> int:
 # ------------------------------------------------------------------------------------------- cache
 def games_root() -> Path:
     from importlib.metadata import version
-
-    from empo2.models import cache_root
 
     return cache_root() / "textworld" / f"{version('textworld')}-r{GENERATOR_REVISION}"
 

@@ -78,7 +78,7 @@ class CollectorSettings:
     tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     write_tips: bool = True
     # training steps keep generate's log-probs as their behaviour log-probs; only for an engine that samples
-    # from the trainer's own weights in the trainer's precision (`empo2.train.build_collector` decides)
+    # from the trainer's own weights in the trainer's precision (`empo2.rollout.build.build_collector` decides)
     record_logprobs: bool = False
 
 

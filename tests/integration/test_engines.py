@@ -197,7 +197,7 @@ def test_build_engine(policy):
 def test_smollm2_tokenizer_prompts_are_injection_safe_and_tip_exact():
     from transformers import AutoTokenizer
 
-    from empo2.models import ensure_smollm2
+    from empo2.model_io import ensure_smollm2
 
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     special = set(tok.all_special_ids)

@@ -42,11 +42,11 @@ def test_a_checkpoint_the_project_wrote_loads_with_the_tokenizer_it_was_saved_wi
     """The priors are Qwen2-shaped with their own byte-level BPE: loaded through AutoTokenizer they got
     Qwen2Tokenizer's pre-tokenizer, which splits numbers into digits, so run-time prompts (scores, terminals,
     temperatures, "100 words") were not the ones the policy was trained on."""
-    from empo2.models import _load_local, save_cached_checkpoint
+    from empo2.model_io import load_local, save_cached_checkpoint
 
     model, tok = load_policy(ModelConfig(name="tiny"))
     save_cached_checkpoint(model, tok, {"test": True}, tmp_path / "ckpt")
-    _, loaded = _load_local(tmp_path / "ckpt", torch.float32)
+    _, loaded = load_local(tmp_path / "ckpt", torch.float32)
     text = "connect battery anode to the red light bulb terminal 1. Final score 100; 23.5 degrees"
     assert loaded(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
     assert loaded.chat_template == tok.chat_template and loaded.eos_token == tok.eos_token

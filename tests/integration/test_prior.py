@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from empo2.envs.minisci import catalogue
-from empo2.models import _load_local, build_bpe_tokenizer, build_tiny_model
+from empo2.model_io import build_bpe_tokenizer, build_tiny_model, load_local
 from empo2.prior import (
     CONTEXT,
     IGNORED,
@@ -188,7 +188,7 @@ def test_the_clone_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatch
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
     assert ensure_minisci_bc(SMALL, log=logs.append) == path
     assert sum("building" in line for line in logs) == 1
-    model, tok = _load_local(path, torch.float32)
+    model, tok = load_local(path, torch.float32)
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
 
 

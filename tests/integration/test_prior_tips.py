@@ -11,14 +11,16 @@ import re
 import pytest
 import torch
 
-from empo2.config import MINISCI_TIPS_LAYOUT, ConfigError, load_config
+from empo2.config import ConfigError, load_config
 from empo2.envs import make_env
 from empo2.envs.minisci import FAMILIES, catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.memory.tips import tip_request_message
-from empo2.models import _load_local, build_bpe_tokenizer, checkpoint_folder, load_policy, shipped_prior
+from empo2.model_io import build_bpe_tokenizer, checkpoint_folder, load_local, shipped_prior
+from empo2.model_presets import MINISCI_TIPS_LAYOUT
+from empo2.models import load_policy
 from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET
 from empo2.prior_tips import (
     IRRELEVANT,
@@ -332,7 +334,7 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     assert json.loads((path / "empo2_source.json").read_text())["prompt_layout"] == MINISCI_TIPS_LAYOUT
     assert ensure_minisci_tips(SMALL, log=logs.append) == path
     assert sum("building" in line for line in logs) == 1
-    model, tok = _load_local(path, torch.float32)
+    model, tok = load_local(path, torch.float32)
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
 
 
@@ -367,7 +369,7 @@ def test_a_shipped_prior_loads_on_its_own_layout_and_records_how_it_was_made(opt
 @pytest.fixture(scope="module")
 def small_policy(data):
     """A random tiny model with a tokenizer of the dev episodes' text: its play is a policy's own, not scripted."""
-    from empo2.models import build_tiny_model
+    from empo2.model_io import build_tiny_model
     from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT
 
     texts = [DEFAULT_SYSTEM_PROMPT, tip_request_message()["content"], TIP_HEADER]

@@ -7,7 +7,8 @@ import lightning as L
 
 from empo2.config import load_config
 from empo2.lit.callbacks import RolloutCallback
-from empo2.train import train, validation_tasks
+from empo2.rollout.build import validation_tasks
+from empo2.train import train
 from tests.integration.test_training import FAST
 
 

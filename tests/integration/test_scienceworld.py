@@ -309,7 +309,7 @@ def test_collections_run_as_long_as_the_longest_budget_of_the_run():
     """Budgets above 100 steps take effect: the collector's step bound follows the run's tasks."""
     from empo2.config import load_config
     from empo2.envs import make_env
-    from empo2.train import episode_step_bound
+    from empo2.rollout.build import episode_step_bound
 
     env = make_env("scienceworld")  # no JVM until reset
     boil = load_config(["env=scienceworld", "env.tasks=[boil,find-animal]", "model=tiny"])

@@ -191,7 +191,7 @@ def test_a_plain_train_run_uploads_its_config_and_files_to_mlflow(tmp_path):
 
 def test_validation_on_the_training_instances_scores_the_variations_the_run_trains_on(tmp_path):
     from empo2.envs import get_catalogue
-    from empo2.train import validation_tasks
+    from empo2.rollout.build import validation_tasks
 
     args = FAST + [f"run_root={tmp_path}", "run_name=t", "trainer.iterations=1", "trainer.val_train=true",
                    "env.train_variations=2", "env.val_variations=3", "env.tasks=[find-living-thing]"]
@@ -225,3 +225,17 @@ def test_two_trainings_in_one_process_without_run_names_get_their_own_folders(tm
     first, second = train(load_config(args)), train(load_config(args))
     assert first["run_dir"] != second["run_dir"]
     assert "EMPO2_RUN_NAME" not in __import__("os").environ
+
+
+def test_processes_started_by_torchrun_need_a_run_name(monkeypatch):
+    """Without run_name each torchrun process would name its own run folder after its own clock."""
+    from empo2.config import ConfigError
+    from empo2.train import resume_run_name
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("EMPO2_RUN_NAME", raising=False)
+    with pytest.raises(ConfigError, match="run_name is required when torchrun starts the processes"):
+        resume_run_name(load_config(FAST))
+    assert resume_run_name(load_config(FAST + ["run_name=r"])) == "r"
+    monkeypatch.setenv("EMPO2_RUN_NAME", "spawned")  # Lightning's own DDP launcher hands its children the name
+    assert resume_run_name(load_config(FAST)) == "spawned"

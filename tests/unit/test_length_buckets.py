@@ -1,6 +1,6 @@
 """`length_buckets`: which rows of a micro-batch share a right-padded pass, by hand-counted positions."""
 
-from empo2.lit.module import length_buckets
+from empo2.lit.packing import length_buckets
 
 
 def test_near_lengths_share_a_pass_and_far_ones_do_not():

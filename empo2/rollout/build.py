@@ -1,0 +1,91 @@
+"""What a config makes of the rollout side: the environments' arguments, the validation tasks, and the
+`RolloutCollector` (engine, prompt builder, environments, tip memory) that training, evaluation and the priors'
+self-play all collect with."""
+
+from __future__ import annotations
+
+from empo2.config import MINISCI_HOUSE_FIELDS, TrainConfig
+from empo2.envs import TaskSpec, get_catalogue, make_env
+from empo2.memory import Embedder, TipMemory
+from empo2.rollout.collector import CollectorSettings, RolloutCollector
+from empo2.rollout.engines import build_engine
+from empo2.rollout.prompts import PromptBuilder
+
+
+def env_kwargs(cfg: TrainConfig) -> dict:
+    """Constructor arguments of the configured environment (ScienceWorld takes a few more)."""
+    kw = {"action_correction": cfg.env.action_correction, "reward_scale": cfg.env.reward_scale}
+    if cfg.env.max_steps is not None:
+        kw["max_steps"] = cfg.env.max_steps
+    if cfg.env.name == "scienceworld":
+        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
+    if cfg.env.name == "minisci":
+        kw.update({f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
+    if cfg.env.name == "textworld":
+        kw["generation_timeout_s"] = cfg.env.generation_timeout_s
+    return kw
+
+
+def validation_tasks(cfg: TrainConfig, on_train: bool = False) -> list[TaskSpec]:
+    """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
+    two runs (and two iterations of one run) are always scored on the same instances. With `on_train`, the
+    first ones of the variations the run trains on (`train_split`, within `train_variations`)."""
+    cat = get_catalogue(cfg.env.name)
+    tasks = cfg.env.tasks or cat.tasks()
+    split, n = cfg.env.val_split, cfg.env.val_variations
+    if on_train:
+        split, n = cfg.env.train_split, min(n, cfg.env.train_variations or n)
+    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n]]
+
+
+def episode_step_bound(cfg: TrainConfig, env) -> int:
+    """How many lock-step steps a collection may run: `env.max_steps`, else the longest per-task budget of
+    the run's tasks where the environment has a budget table (ScienceWorld's reach 880 steps), and never
+    below 100 (the environments end their episodes themselves; the bound is also the width of the mode
+    draws, so it stays fixed for a given config)."""
+    if cfg.env.max_steps is not None:
+        return cfg.env.max_steps
+    budget = getattr(env, "budget", None)
+    if budget is None:
+        return 100
+    tasks = cfg.env.tasks or get_catalogue(cfg.env.name).tasks()
+    return max(100, *(budget(t) for t in tasks))
+
+
+def generation_logprobs_exact(cfg: TrainConfig) -> bool:
+    """Whether `generate` samples from the distribution the update scores as the behaviour policy, to float32
+    rounding: the HF engine runs on the policy module itself and vLLM on weights synced from it before every
+    rollout, both outside any autocast, so only a 32-bit update scores in the same precision; float32 weights keep
+    the two passes' difference at float32 rounding (bfloat16 matmuls summed in another order, or another engine's
+    bfloat16 kernels, differ by far more); the temperature is the rollout's on both. vLLM returns none under a
+    nucleus (`top_p` < 1): those samples are scored by the pass."""
+    return (cfg.rollout.generation_logprobs and cfg.trainer.precision == "32-true" and cfg.model.dtype == "float32")
+
+
+def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True):
+    """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
+    (training builds it once the strategy has opened the process group: `RolloutCallback.setup`)."""
+    engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
+    builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                            history_turns=cfg.rollout.history_turns,
+                            max_request_tokens=cfg.rollout.max_tip_request_tokens)
+    envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
+    memory = embedder = None
+    if cfg.memory.enabled:
+        embedder = Embedder(cfg.memory.embedder_path)
+        m = cfg.memory
+        memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
+                           eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
+                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed)
+    a, r = cfg.algo, cfg.rollout
+    settings = CollectorSettings(
+        p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
+        adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+        max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
+        max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
+        tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
+        step_entry_key=cfg.memory.step_entry_key,
+        key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
+        record_logprobs=generation_logprobs_exact(cfg))
+    specials = list(getattr(tokenizer, "all_special_tokens", []))
+    return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
