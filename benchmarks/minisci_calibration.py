@@ -52,13 +52,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.stats import binomtest
 
 from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
+from empo2.envs.minisci.env import build
+from empo2.envs.minisci.layout import Difficulty
+from empo2.memory import TipMemory
 from empo2.model_io import checkpoint_folder
 from empo2.models import load_policy
-from empo2.prior_tips import tips_signed
+from empo2.prior_rounds import replay
+from empo2.prior_tips import SIGNATURE_HEAD, hindsight_tip, play, scripted, tips_signed
 from empo2.rollout.build import build_collector, env_kwargs
 from empo2.stats import bootstrap_ci
 
@@ -143,10 +148,6 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
     exactness, the score with irrelevant tips only, and with one scripted tip per instance (gold / trapped).
     `signature`: the policy learned tips that open with their task's signature (`prior_tips.tips_signed`), so
     the tip its episode supports and the scripted tips do too."""
-    from empo2.envs.minisci.env import build
-    from empo2.envs.minisci.layout import Difficulty
-    from empo2.memory import TipMemory
-    from empo2.prior_tips import SIGNATURE_HEAD, hindsight_tip, replay
 
     collector = build_collector(cfg, model, tok, len(tasks))
     scores, success, wrong_focus, truths, exact, t0 = [], [], [], [], [], time.perf_counter()
@@ -226,10 +227,6 @@ def tip_donors(tasks, seed: int) -> dict:
 def scripted_episode_tip(collector, env, spec, house: dict, name: str, seed: int, signature: bool = False):
     """(hindsight tip, key text as the collector keys its own, score) of one scripted episode of `spec` in
     `house`: the gold path's, or with `name` "trapped" the prior-driven agent's (`prior_tips.scripted`)."""
-    import random
-
-    from empo2.prior_tips import hindsight_tip, play, scripted
-
     env.reset(task=spec.task, variation=spec.variation)
     actions = env.gold_actions() if name != "trapped" else scripted(random.Random(seed), trap=True)
     ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
@@ -275,11 +272,27 @@ def paired_change(pair: np.ndarray, seed: int) -> tuple[float, float, float]:
     return bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() - d[:, 0].mean(), seed=seed)
 
 
+TRAP_MAX_SUCCESS, DOUBLING, IRRELEVANT_BOUND = 0.25, 2.0, 0.1  # the three calibration targets (docs/priors.md)
+
+
+def verdict(point_holds: bool, interval_holds: bool) -> str:
+    """A target "holds" only when its whole 95% interval meets it; met by the point estimate alone it is "point
+    estimate only"; otherwise it "misses"."""
+    return "holds" if interval_holds else "point estimate only" if point_holds else "misses"
+
+
+def success_interval(rate: float, n: int) -> tuple[float, float, float]:
+    """(rate, low, high): the 95% Wilson score interval of a success rate over n instances (scipy)."""
+    k = round(rate * n)  # rates are counts over instances
+    ci = binomtest(k, n).proportion_ci(0.95, method="wilson")
+    return k / n, float(ci.low), float(ci.high)
+
+
 def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
     """The prior's targets on one family, with paired bootstrap intervals over instances: tip-free success
-    (find-living-thing <= 25%), own tips after 2 episodes >= 2x the tip-free score, irrelevant tips within 10%
-    of tip-free (the mean score's relative change; its interval is reported beside it, and with a few dozen
-    instances it spans far more than 10% of a low tip-free score)."""
+    (find-living-thing <= 25%, Wilson interval), own tips after 2 episodes >= 2x the tip-free score, irrelevant
+    tips within 10% of tip-free (the mean score's change). `targets` holds each target's verdict (`verdict`) with
+    the interval it rests on and its method."""
     scores = np.array(res["scores"], dtype=float).T  # (instances, rounds)
     tip_free = scores[:, 0]
     out = {"tip_free": bootstrap_ci(tip_free, seed=seed)}
@@ -289,8 +302,7 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
         # the ratio of means; with a tip-free mean of 0 any gain is an infinite ratio
         out["ratio_after_2"] = bootstrap_ci(pair, stat=lambda d: d[:, 1].mean() / max(d[:, 0].mean(), 1e-9),
                                             seed=seed)
-        out["doubles"] = bool(scores[:, 2].mean() >= 2 * tip_free.mean() and scores[:, 2].mean() > 0)
-    bound = 0.1 * max(tip_free.mean(), 1e-9)
+    bound = IRRELEVANT_BOUND * max(tip_free.mean(), 1e-9)
     # the policy's own tips of the next instance; scripted tips of another house and of another task (no other
     # family: none)
     for name, key in (("irrelevant", "irrelevant_scores"), ("other_house", "other_house_tip_scores"),
@@ -298,7 +310,6 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
         if key in res:
             pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)  # (instances, 2)
             out[f"{name}_change"] = paired_change(pair, seed)
-            out[f"{name}_within_10pct"] = bool(abs(pair[:, 1].mean() - tip_free.mean()) <= bound)
     if any(res.get("irrelevant_claims_own", [])):  # the change apart from irrelevant tips that claim to be its own
         claims = np.array(res["irrelevant_claims_own"], dtype=bool)
         pair = np.stack([tip_free, np.array(res["irrelevant_scores"], dtype=float)], axis=1)[~claims]
@@ -312,9 +323,30 @@ def memory_verdicts(res: dict, family: str, seed: int = 0) -> dict:
             if key in res and (~same).any():
                 pair = np.stack([tip_free, np.array(res[key], dtype=float)], axis=1)[~same]  # (instances, 2)
                 out[f"{name}_change_other_signature"] = paired_change(pair, seed)
+    out["targets"] = targets = {}
     if family == "find-living-thing":
-        out["trap_holds"] = bool(res["success_by_round"][0] <= 0.25)
+        rate, low, high = success_interval(res["success_by_round"][0], len(tip_free))
+        targets["trap"] = {"verdict": verdict(rate <= TRAP_MAX_SUCCESS, high <= TRAP_MAX_SUCCESS),
+                           "interval": [rate, low, high], "method": "Wilson score, 95%, over instances"}
+    if "ratio_after_2" in out:
+        ratio, low, _ = out["ratio_after_2"]
+        after = scores[:, 2].mean()
+        targets["doubling"] = {"verdict": verdict(ratio >= DOUBLING and after > 0, low >= DOUBLING and after > 0),
+                               "interval": list(out["ratio_after_2"]),
+                               "method": "percentile bootstrap, 95%, paired over instances"}
+    if "irrelevant_change" in out:
+        change, low, high = out["irrelevant_change"]
+        targets["irrelevant"] = {"verdict": verdict(abs(change) <= bound, -bound <= low and high <= bound),
+                                 "interval": list(out["irrelevant_change"]), "bound": bound,
+                                 "method": "percentile bootstrap, 95%, paired over instances"}
     return out
+
+
+def targets_text(v: dict) -> str:
+    """One line: each target's verdict."""
+    names = {"trap": "trap holds (success <= 25%)", "doubling": "own tips double the score",
+             "irrelevant": "irrelevant tips within 10%"}
+    return "; ".join(f"{names[k]}: {t['verdict']}" for k, t in v["targets"].items())
 
 
 def pooled_memory(rows: list[dict]) -> dict:
@@ -325,8 +357,8 @@ def pooled_memory(rows: list[dict]) -> dict:
     out = {"instances": sum(n), "scores": [sum((r["scores"][k] for r in rows), []) for k in rounds],
            "success_by_round": [float(np.average([r["success_by_round"][k] for r in rows], weights=n))
                                 for k in rounds]}
-    for key in ("irrelevant_scores", "other_house_tip_scores", "other_task_tip_scores", "irrelevant_claims_own",
-                "irrelevant_same_signature"):
+    for key in ("variations", "irrelevant_scores", "other_house_tip_scores", "other_task_tip_scores",
+                "irrelevant_claims_own", "irrelevant_same_signature"):
         if all(key in r for r in rows):
             out[key] = sum((r[key] for r in rows), [])
     return out
@@ -353,9 +385,16 @@ def main_pool(args) -> None:
         raise SystemExit(f"--pool: seeds {seeds} repeat; a seed's instances would count twice")
     keys = [(r["setting"], r["family"]) for r in records[0]["rows"]]
     rows = []
+    cat = get_catalogue("minisci")
     for setting, family in keys:
+        for rec in records:  # records written before they kept their instances: drawn again as they were drawn
+            for r in rec["rows"]:
+                if "variations" not in r and (r["setting"], r["family"]) == (setting, family):
+                    r["variations"] = [s.variation for s in cat.sample(rec["args"]["groups"], "train",
+                                                                       seed=rec["args"]["seed"], tasks=[family])]
         res = pooled_memory([r for rec in records for r in rec["rows"]
                              if (r["setting"], r["family"]) == (setting, family)])
+        res["distinct_instances"] = len(set(res["variations"]))
         res["verdicts"] = v = memory_verdicts(res, family)
         rows.append({"setting": setting, "family": family, "seeds": seeds, **res})
         said = [f"tip-free {ci_text(v['tip_free'])}, success {res['success_by_round'][0]:.2f}"]
@@ -364,8 +403,7 @@ def main_pool(args) -> None:
         for name, what in (("irrelevant", "irrelevant tips"), ("other_house", "another house's gold tip"),
                            ("other_task", "another task's gold tip")):
             if f"{name}_change" in v:
-                said.append(f"{what} {ci_text(v[name + '_change'], signed=True)} (within 10%: "
-                            f"{v[name + '_within_10pct']})")
+                said.append(f"{what} {ci_text(v[name + '_change'], signed=True)}")
         if "next_instance_same_signature" in v:
             apart = [f"{what} {ci_text(v[name + '_change_other_signature'], signed=True)}" for name, what in
                      (("irrelevant", "irrelevant tips"), ("other_house", "another house's gold tip"))
@@ -375,11 +413,13 @@ def main_pool(args) -> None:
         if "irrelevant_claiming_own" in v:
             said.append(f"apart from the {v['irrelevant_claiming_own']} whose irrelevant tips open with their own "
                         f"signature: {ci_text(v['irrelevant_change_signed_other'], signed=True)}")
-        print(f"{setting} {family}, {res['instances']} instances of {len(records)} seeds: " + "; ".join(said))
+        print(f"{setting} {family}, {res['instances']} instances ({res['distinct_instances']} distinct) of "
+              f"{len(records)} seeds: " + "; ".join(said))
+        print(f"  targets: {targets_text(v)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"pooled": args.pool, "rows": rows}, indent=2))
-    print(f"intervals: 95% paired bootstrap over the pooled instances\nwrote {out}")
+    print(f"intervals: 95% paired percentile bootstrap over the pooled instances (success: Wilson)\nwrote {out}")
 
 
 def main_memory(args) -> None:
@@ -404,6 +444,7 @@ def main_memory(args) -> None:
         for family in args.families:
             tasks = cat.sample(args.groups, "train", seed=args.seed, tasks=[family])
             res = play_memory(cfg, model, tok, tasks, args.rounds, args.seed, args.show, signature)
+            res["variations"] = [spec.variation for spec in tasks]  # instances may repeat within and across seeds
             res["verdicts"] = v = memory_verdicts(res, family, args.seed)
             rows.append({"setting": setting or "default", "family": family, **res})
             c = res["score_by_round"]
@@ -519,7 +560,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from empo2.cli import quiet_libraries
+    from empo2.utils import quiet_libraries
 
     quiet_libraries()  # weight-loading bars and INFO lines off, as in the CLI
     main()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.cli import quiet_libraries
+from empo2.utils import quiet_libraries
 
 
 def main() -> None:

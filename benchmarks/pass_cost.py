@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.cli import quiet_libraries
+from empo2.utils import quiet_libraries
 
 
 def _pass_seconds(model, g: torch.Generator, batch: int, width: int) -> float:

@@ -181,7 +181,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from empo2.cli import quiet_libraries
+    from empo2.utils import quiet_libraries
 
     quiet_libraries()  # weight-loading bars and INFO lines off, as in the CLI
     main()

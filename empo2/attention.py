@@ -3,9 +3,9 @@
 transformers' "sdpa" copies every key/value head once per query head of its group (`repeat_kv`: the whole
 cache, at every layer and step) whenever an attention mask is passed, because CUDA's fused kernels cannot
 take grouped heads and a mask together. Torch's CPU kernel can (`enable_gqa`). Generation always passes a mask,
-and so do the passes that attend to a shared prefix's cache: one decode step of minisci-bc (4 query heads, 2
-key/value heads), 20 rows over 300 cached tokens, took 5.4 ms with the copies and 3.4 ms without, with equal
-outputs. `load_policy` selects it in place of "sdpa"; masks are built as for "sdpa", and every other case (a
+and so do the passes that attend to a shared prefix's cache, where the copies cost a decode step a large share
+of its time for equal outputs (docs/performance.md, "Costs behind the code"). `load_policy` selects it in place of
+"sdpa"; masks are built as for "sdpa", and every other case (a
 GPU, no mask, one key/value head per query head) runs transformers' own "sdpa" function.
 """
 

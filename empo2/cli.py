@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from empo2.config import ConfigError
+from empo2.utils import quiet_libraries
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # its database-migration INFO lines are not ours
@@ -304,34 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_libraries() -> None:
-    """Library chatter off at its source: Lightning's INFO lines (accelerator banner, adverts, "`max_epochs`
-    reached") and its own deprecation notices, transformers' info and weight-loading bars, MLflow's INFO, vLLM's
-    INFO and warnings.
-    Their other warnings and errors stay."""
-    import logging
-    import warnings
-
-    # Lightning resets the level of `lightning.pytorch` when imported; its INFO lines come from the
-    # rank_zero child loggers, whose level it leaves alone
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "mlflow",
-                 "alembic", "transformers", "sentence_transformers", "httpx"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning on torch 2.13
-    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # resume
-    # per-iteration means are logged from rank 0 by design; with engine=vllm the process group vLLM opens for
-    # itself (one process) makes Lightning say this of every metric
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
-    # vLLM (engine=vllm): its logger is configured from this when first imported; its import-time deprecation
-    # notices; and the CPU build's NUMA-binding notice, a C++ warning that only torch's C++ log level reaches
-    # (read when torch is first imported, which has not happened yet)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:

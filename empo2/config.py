@@ -62,7 +62,7 @@ class ModelConfig:
 @dataclass
 class EnvConfig:
     name: str = opt("minisci", "Environment: `minisci` (embedded, microseconds per step), `scienceworld` "
-                    "(real JVM, ~10 ms per step), `textworld` (optional extra).",
+                    "(real JVM, milliseconds per step), `textworld` (optional extra).",
                     choices=("minisci", "scienceworld", "textworld"))
     tasks: list = opt([], "Task names to train on; empty means every in-distribution task of the catalogue.")
     train_split: str = opt("train", "Variation split sampled for training rollouts.", choices=("train", "dev", "test"))

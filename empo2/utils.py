@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes, seeding, run folders, the cache folder."""
+"""Small shared helpers: atomic file writes, seeding, run folders, the cache folder, a quiet console."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import ctypes
 import ctypes.util
 import functools
 import json
+import logging
 import os
 import random
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,3 +133,30 @@ def release_free_memory() -> None:
 @functools.cache
 def _malloc_trim():
     return getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+
+
+def quiet_libraries() -> None:
+    """Library chatter off at its source: Lightning's INFO lines (accelerator banner, adverts, "`max_epochs`
+    reached") and its own deprecation notices, transformers' info and weight-loading bars, MLflow's INFO, vLLM's
+    INFO and warnings.
+    Their other warnings and errors stay."""
+    # Lightning resets the level of `lightning.pytorch` when imported; its INFO lines come from the
+    # rank_zero child loggers, whose level it leaves alone
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "mlflow",
+                 "alembic", "transformers", "sentence_transformers", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning on torch 2.13
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")  # resume
+    # per-iteration means are logged from rank 0 by design; with engine=vllm the process group vLLM opens for
+    # itself (one process) makes Lightning say this of every metric
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
+    # vLLM (engine=vllm): its logger is configured from this when first imported; its import-time deprecation
+    # notices; and the CPU build's NUMA-binding notice, a C++ warning that only torch's C++ log level reaches
+    # (read when torch is first imported, which has not happened yet)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

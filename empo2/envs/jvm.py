@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-# Starting a JVM takes ~1 s on an idle core; a loaded machine can take many times that.
+# Starting a JVM takes about a second on an idle core; a loaded machine can take many times that.
 START_TIMEOUT_S = 60.0
 
 

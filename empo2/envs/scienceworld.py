@@ -5,8 +5,8 @@ reward_scale=0.01, call_timeout_s=10.0, jar_path=None, seed=None, task=None)`.
 
 Fast path. The package's `ScienceWorldEnv.step` recomputes the full valid-action list (plus look,
 inventory and task description) after every action, several times the cost of the action itself
-(benchmarks/scienceworld_step.py: median 37 ms against 6 ms for this adapter on a loaded 2-core
-machine). This adapter calls the simulator's `step`, `getScore` and `getCompleted` directly and
+(`benchmarks/scienceworld_step.py`; docs/performance.md, "Costs behind the code"). This adapter calls the
+simulator's `step`, `getScore` and `getCompleted` directly and
 builds the valid list only when asked: by `valid_actions()`, or by action correction when the
 simulator did not recognise the input. The simulator's parser answers unrecognised input with
 `NO_MATCH` and then does nothing (no tick, no state change), so "try first, correct on NO_MATCH"
@@ -56,7 +56,7 @@ AMBIGUOUS_PREFIX = "Ambiguous request"
 # Console commands the simulator answers without acting (help text, object list, task text); they
 # are not actions, so they are treated like unrecognised input.
 _META_INPUTS = frozenset({"help", "objects", "task"})
-# A load builds the whole world (and a gold path when asked): up to ~4 s measured on an idle core.
+# A load builds the whole world (and a gold path when asked): seconds on an idle core, many times the step timeout.
 _LOAD_TIMEOUT_FACTOR = 6.0
 
 

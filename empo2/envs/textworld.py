@@ -13,9 +13,9 @@ outside the list is replaced by the admissible command of highest word-level Jac
 `action_correction` is on (`empo2.envs.actions.resolve_action`, as the released EMPO² code does),
 and is otherwise an invalid action: it costs a step and changes nothing.
 
-Cost. The tracker (needed for the admissible list and the state key) adds 0.5-3 ms to a 1-2 ms step;
-the command strings themselves are almost free on top. TextWorld's `policy_commands` (a re-planned
-winning path, 2-3x the cost of a tracked step on the games measured, growing with the game) is never
+Cost. The tracker (needed for the admissible list and the state key) costs about as much as the step itself
+(docs/performance.md, "Costs behind the code"); the command strings are almost free on top. TextWorld's
+`policy_commands` (a re-planned winning path, dearer than a tracked step and growing with the game) is never
 requested: the walkthrough comes from the game file, checked and stored when the game is generated
 (`gold_actions()`).
 

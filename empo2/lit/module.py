@@ -34,8 +34,8 @@ NONFINITE_CHECKPOINT = "nonfinite.ckpt"
 
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW, fused when the parameters live on a CPU. There torch defaults to its `foreach` kernels, which
-    allocate whole-model temporaries: one step over SmolLM2-135M's parameters takes 0.46 s on 2 threads, the
-    fused kernel 0.08 s (`benchmarks/optimizer_step.py`). The same update to float32 rounding; a checkpoint
+    allocate whole-model temporaries; the fused kernel is several times faster (`benchmarks/optimizer_step.py`,
+    docs/performance.md). The same update to float32 rounding; a checkpoint
     restores the choice with the optimiser state, so a resume stays bit-exact. On a GPU torch's default is kept."""
     fused = all(p.device.type == "cpu" for p in params) or None
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
@@ -57,7 +57,7 @@ class EMPO2Module(L.LightningModule):
         self.consecutive_skips = 0
         self._totals: dict[str, float] = {}  # metrics of the current mini-batch, weighted by token share
         # per-iteration sums and step counts of the logged metrics: one `log_dict` per iteration, since each
-        # Lightning log call costs ~0.3 ms per key, more than the rest of a small model's optimiser step
+        # Lightning log call costs more per key than the rest of a small model's optimiser step
         self._iteration: dict[str, list[float]] = {}
         self.last_step: dict[str, float] = {}  # actor/* of the latest optimiser step (MLflow gets iteration means)
 

@@ -75,9 +75,8 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
 
 # What one more decoder pass costs the CPU update's forward and backward beyond its positions, in positions: a
 # pass streams every weight and writes every weight's gradient once, and runs each layer's kernels once however
-# few its rows. Measured on 2 cores (`benchmarks/pass_cost.py`): SmolLM2-135M ~45-50 (~125 ms per pass against
-# ~2.7 ms per position), minisci-bc ~105 (~3.6 ms against ~35 us). One constant between them: near the best
-# grouping the positions run change slowly with it.
+# few its rows. `benchmarks/pass_cost.py` measures it per model (docs/performance.md); the two presets measured
+# there sit either side of this one constant, and near the best grouping the positions run change slowly with it.
 PASS_COST = 75
 
 

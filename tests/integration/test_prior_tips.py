@@ -22,15 +22,7 @@ from empo2.model_io import build_bpe_tokenizer, checkpoint_folder, load_local, s
 from empo2.model_presets import MINISCI_TIPS_LAYOUT
 from empo2.models import load_policy
 from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET
-from empo2.prior_tips import (
-    IRRELEVANT,
-    LOCATED,
-    MISLED,
-    OTHER_HOUSE,
-    OTHER_VARIATION,
-    SEARCH,
-    TIP_FREE,
-    TipPriorSettings,
+from empo2.prior_rounds import (
     _own_play,
     action_log_probs,
     another_house,
@@ -38,16 +30,10 @@ from empo2.prior_tips import (
     decision_prompt,
     decision_shift,
     decision_states,
-    dev_episodes,
-    ensure_minisci_tips,
-    episode_sequence,
     expert_labels,
     foreign_tips,
-    hindsight_tip,
-    locates,
     next_token_distributions,
     outside_category,
-    prompt_builder,
     reader_examples,
     replay,
     resign,
@@ -57,6 +43,22 @@ from empo2.prior_tips import (
     signature_match_examples,
     signature_match_logits,
     signature_match_loss,
+)
+from empo2.prior_tips import (
+    IRRELEVANT,
+    LOCATED,
+    MISLED,
+    OTHER_HOUSE,
+    OTHER_VARIATION,
+    SEARCH,
+    TIP_FREE,
+    TipPriorSettings,
+    dev_episodes,
+    ensure_minisci_tips,
+    episode_sequence,
+    hindsight_tip,
+    locates,
+    prompt_builder,
     tips_signed,
     training_sequences,
 )
@@ -548,7 +550,7 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
     same tokens as SOFT targets carrying the tip-free prompt's next-token distribution at each."""
     import re
 
-    import empo2.prior_tips as prior_tips
+    import empo2.prior_rounds as prior_rounds
 
     calls = []
 
@@ -564,14 +566,14 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
         def __getattr__(self, name):
             return getattr(self.engine, name)
 
-    own_play = prior_tips._own_play
+    own_play = prior_rounds._own_play
 
     def recorded(*args, **kwargs):
         for done, chunk, collector, envs, specs in own_play(*args, **kwargs):
             collector.engine = Recording(collector.engine)
             yield done, chunk, collector, envs, specs
 
-    monkeypatch.setattr(prior_tips, "_own_play", recorded)
+    monkeypatch.setattr(prior_rounds, "_own_play", recorded)
     model, tok = small_policy
     examples, stats = reader_examples(model, tok, variations_per_family=2, foreign=kind, distill=distill,
                                       log=lambda _: None)

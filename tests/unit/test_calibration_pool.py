@@ -41,7 +41,8 @@ def test_pooled_runs_are_their_instances_joined():
     tip_free = joined.mean()
     change = np.mean(a["irrelevant_scores"] + b["irrelevant_scores"]) - tip_free
     assert v["irrelevant_change"][0] == pytest.approx(change)
-    assert v["irrelevant_within_10pct"] == (abs(change) <= 0.1 * tip_free)
+    point_holds = abs(change) <= 0.1 * tip_free
+    assert v["targets"]["irrelevant"]["verdict"] in (("holds", "point estimate only") if point_holds else ("misses",))
 
 
 def test_the_change_apart_from_tips_no_reader_can_tell_leaves_those_instances_out():
@@ -55,3 +56,36 @@ def test_the_change_apart_from_tips_no_reader_can_tell_leaves_those_instances_ou
     claimed = [i for i, c in enumerate(row["irrelevant_claims_own"]) if not c]
     assert v["irrelevant_change_signed_other"][0] == pytest.approx(
         np.mean([row["irrelevant_scores"][i] - row["scores"][0][i] for i in claimed]))
+
+
+def test_a_target_holds_only_when_its_interval_does():
+    assert calibration.verdict(True, True) == "holds"
+    assert calibration.verdict(True, False) == "point estimate only"
+    assert calibration.verdict(False, False) == "misses"
+
+
+def test_the_success_interval_is_wilsons():
+    # 20 successes of 216: Wilson 95% by hand, p = 20/216, z = 1.959964,
+    # centre (p + z^2/2n) / (1 + z^2/n), half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)
+    p, n, z = 20 / 216, 216, 1.959963984540054
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    rate, low, high = calibration.success_interval(20 / 216, 216)
+    assert (rate, low, high) == pytest.approx((p, centre - half, centre + half))
+    assert (round(low, 4), round(high, 4)) == (0.0607, 0.1387)
+
+
+def test_each_target_gets_its_verdict_from_its_interval():
+    tip_free = [0.0] * 36 + [100.0] * 4  # mean 10, success 10%: Wilson high 0.23 <= 0.25, the trap holds
+    after_2 = [0.0] * 28 + [100.0] * 12  # mean 30: 3x, but the bootstrap interval reaches below 2x
+    row = {"scores": [tip_free, tip_free, after_2], "success_by_round": [0.1, 0.1, 0.3],
+           "irrelevant_scores": tip_free[::-1]}  # the same mean: change 0, interval far wider than +-1
+    v = calibration.memory_verdicts(row, "find-living-thing")
+    t = v["targets"]
+    assert t["trap"]["verdict"] == "holds" and t["trap"]["interval"][2] <= 0.25
+    assert v["ratio_after_2"][0] == pytest.approx(3.0) and t["doubling"]["verdict"] == "point estimate only"
+    assert t["irrelevant"]["bound"] == pytest.approx(1.0) and t["irrelevant"]["interval"][0] == pytest.approx(0.0)
+    assert t["irrelevant"]["verdict"] == "point estimate only"
+    row["scores"][0] = [0.0] * 30 + [100.0] * 10  # success 25%: the point meets the bound, the interval does not
+    row["success_by_round"][0] = 0.25
+    assert calibration.memory_verdicts(row, "find-living-thing")["targets"]["trap"]["verdict"] == "point estimate only"

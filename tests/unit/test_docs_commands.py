@@ -8,12 +8,14 @@ What a page shows, and how it is checked:
   then `train` overrides composed and validated with `load_config` (what `empo2 train ... --cfg` does), `eval` /
   `adapt` options split and the rest composed, grid files planned with `plan_grid`, sweep files read with
   `load_sweep` (which composes every end point of the space), `config` sections described;
-- `python benchmarks/X.py ...`: the script exists, builds an argparse parser, and defines every `--option` used
-  (read from its source, nothing imported or run); `python -c CODE`: it parses, and every name it imports from
+- `python benchmarks/X.py ...` (or `research/X.py`): the script exists, builds an argparse parser, and defines every
+  `--option` used (read from its source, nothing imported or run); `python -m empo2.prior_rounds ...`: a round
+  parsed and validated by its real parser, a shipped prior's rebuild planned and every one of its rounds parsed;
+  `python -c CODE`: it parses, and every name it imports from
   `empo2` and every field it passes to `dataclasses.replace` exists;
 - `make TARGET`: the target is in the Makefile; `pip install .[EXTRA]`: the extra is in pyproject.toml;
 - every repository path a command names exists, except outputs (`--out`, `out=`, `--save`) and what commands
-  create (`outputs/`, `benchmarks/results/`);
+  create (`outputs/`, `benchmarks/results/`, `research/results/`);
 - inline `empo2 ...` spans in the prose: a synopsis (`[...]`, `FILE`, `a|b`) or a bare `empo2 SUBCOMMAND` names a
   real subcommand and real options; a complete command is checked as above.
 
@@ -33,11 +35,12 @@ from pathlib import Path
 import pytest
 
 from empo2.config import ConfigError
+from empo2.prior_rounds import parse_round, planned_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-REPO_DIRS = ("empo2", "experiments", "sweeps", "conf", "benchmarks", "reports", "docs", "tests", ".ci")
-GENERATED = ("outputs/", "benchmarks/results/")  # folders that commands create
+REPO_DIRS = ("empo2", "experiments", "sweeps", "conf", "benchmarks", "research", "reports", "docs", "tests", ".ci")
+GENERATED = ("outputs/", "benchmarks/results/", "research/results/")  # folders that commands create
 OUTPUT_FLAGS = ("--out", "--save")
 OUTPUT_KEYS = ("out",)
 EXTERNAL = {"mlflow", "createdb", "pip"}  # third-party programs shown as they are, their arguments not checked
@@ -254,14 +257,30 @@ def check_python(argv: list[str]) -> None:
         return check_empo2(argv[2:])
     if argv[:2] == ["-m", "pytest"]:
         return check_paths(argv[2:])
+    if argv[:2] == ["-m", "empo2.prior_rounds"]:
+        return check_prior_rounds(argv[2:])
     script = ROOT / argv[0]
-    if not argv[0].startswith("benchmarks/") or not script.is_file():
-        raise CommandError(f"{argv[0]}: not a script of benchmarks/")
+    if not argv[0].startswith(("benchmarks/", "research/")) or not script.is_file():
+        raise CommandError(f"{argv[0]}: not a script of benchmarks/ or research/")
     check_paths(argv[1:])
     options = script_options(script)
     for token in argv[1:]:
         if token.startswith("-") and token.split("=")[0] not in options:
             raise CommandError(f"{argv[0]} has no option {token.split('=')[0]}")
+
+
+def check_prior_rounds(argv: list[str]) -> None:
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            if argv[:1] == ["round"]:
+                parse_round(argv[1:])
+            elif argv[:1] == ["build"] and len(argv) == 4 and argv[2] == "--out":
+                for round_argv in planned_rounds(argv[1], Path(argv[3])):
+                    parse_round(round_argv)
+            else:
+                raise CommandError(f"python -m empo2.prior_rounds {' '.join(argv)}: neither `round` nor `build`")
+    except SystemExit as e:
+        raise CommandError(f"python -m empo2.prior_rounds: {err.getvalue().strip() or e}") from None
 
 
 def makefile_targets() -> set[str]:

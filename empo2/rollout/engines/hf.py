@@ -158,7 +158,8 @@ class HFEngine:
         Each distinct prompt is computed once (a group's rollouts all start from the same one). On a CPU the
         distinct prompts run unpadded too, those of one length together: a padded chunk pays for its padding
         twice, in positions and in the masked attention kernel, which cannot skip the causal half, and a chunk
-        of tip requests (whole episodes of 350 to 1,250 tokens) prefilled 4.6x slower padded than so. Prompts
+        of tip requests (whole episodes of very different lengths) prefilled several times slower padded than so
+        (docs/performance.md, "Costs behind the code"). Prompts
         that start alike (one task's system and task text, a group's common first turns) run that stem once
         (`_stems`). On a GPU one padded pass is cheaper than a pass per length."""
         if input_ids.shape[1] < 2:

@@ -11,7 +11,7 @@ fresh model of each size (`models.build_tiny_model`, the labeller's tokenizer) i
 held-out house draws. A size that reads the signature opens a gap between the two; one that cannot fits about the
 mean of the two labels under both.
 
-    python benchmarks/minisci_signature_capacity.py --labeller outputs/priors/reader-v7 --sizes 4x128 4x256 \\
+    python research/minisci_signature_capacity.py --labeller outputs/priors/reader-v7 --sizes 4x128 4x256 \\
         --out reports/minisci_priors/signature_capacity.json
 """
 
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from empo2.cli import quiet_libraries  # noqa: E402
+from empo2.utils import quiet_libraries  # noqa: E402
 
 quiet_libraries()
 
@@ -37,7 +37,8 @@ from empo2.config import ConfigError, load_config  # noqa: E402
 from empo2.model_io import build_tiny_model  # noqa: E402
 from empo2.models import load_policy  # noqa: E402
 from empo2.prior import behaviour_clone, dev_instances  # noqa: E402
-from empo2.prior_tips import TipPriorSettings, decision_examples, decision_shift, decision_states  # noqa: E402
+from empo2.prior_rounds import decision_examples, decision_shift, decision_states  # noqa: E402
+from empo2.prior_tips import TipPriorSettings  # noqa: E402
 
 FAMILY = "find-living-thing"
 

@@ -4,13 +4,13 @@ Continues training the cached prior on its own training sequences with only the 
 (the actions become context, still predicted with weight `lm_weight`), for `--steps` more steps, and writes the
 result as a project checkpoint that the calibration loads with
 
-    python benchmarks/minisci_calibration.py --model minisci_tips --memory \\
+    python research/minisci_calibration.py --model minisci_tips --memory \\
         --override model.name=hf model.path=OUT model.dtype=float32 ...
 
 If the share of true tips and the memory-only curve rise well above the prior's, tip writing was short of
 training; if not, the tips it writes at run time fail for another reason (episodes unlike the scripted ones).
 
-    python benchmarks/minisci_tips_tip_probe.py --steps 300 --out /tmp/minisci-tips-tip-probe
+    python research/minisci_tips_tip_probe.py --steps 300 --out /tmp/minisci-tips-tip-probe
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from empo2.cli import quiet_libraries
+    from empo2.utils import quiet_libraries
 
     quiet_libraries()  # weight-loading bars and INFO lines off, as in the CLI
     main()

@@ -12,7 +12,7 @@ and not by the last. Reads calibration records (`benchmarks/minisci_calibration.
 instances from the recorded arguments and prints, per kind, the mean scores with paired 95% bootstrap intervals
 of the change. Nothing is played.
 
-    python benchmarks/minisci_tips_other_house.py reports/minisci_priors/calibration_reader_v6_top1_score.json ...
+    python research/minisci_tips_other_house.py reports/minisci_priors/calibration_reader_v6_top1_score.json ...
 """
 
 from __future__ import annotations

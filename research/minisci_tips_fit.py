@@ -7,7 +7,7 @@ actions / tips greedy decoding (teacher-forced) reproduces exactly. An ability w
 high was not learned, whatever the calibration shows; actions under tips fitting as well as tip-free ones
 while they differ means the tips in the prompt are read.
 
-    python benchmarks/minisci_tips_fit.py
+    python research/minisci_tips_fit.py
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(per_kind: int = 48, batch: int = 8) -> None:
 
 
 if __name__ == "__main__":
-    from empo2.cli import quiet_libraries
+    from empo2.utils import quiet_libraries
 
     quiet_libraries()  # weight-loading bars and INFO lines off, as in the CLI
     main()

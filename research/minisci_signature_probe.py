@@ -17,11 +17,11 @@ with another house's signature; only the signature differs):
 3. whether the match, once told, moves the labeller's actions with no action trained (`decision_shift` on the
    held-out states before and after). `--save` keeps each told model and its head for later probes.
 
-    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 --steps 4000 \\
+    python research/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 --steps 4000 \\
         --out reports/minisci_priors/signature_probe.json
-    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 12000 \\
+    python research/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 12000 \\
         --every 1000 --out reports/minisci_priors/signature_probe_long.json   # the turn comes after ~7,000 steps
-    python benchmarks/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 10000 \\
+    python research/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 10000 \\
         --every 1000 --save outputs/priors/told-v7 --out reports/minisci_priors/signature_probe_told.json
 """
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from empo2.cli import quiet_libraries  # noqa: E402
+from empo2.utils import quiet_libraries  # noqa: E402
 
 quiet_libraries()
 
@@ -48,7 +48,7 @@ from minisci_signature_capacity import labeller_and_states, size  # noqa: E402
 
 from empo2.model_io import build_tiny_model, save_cached_checkpoint  # noqa: E402
 from empo2.model_presets import MINISCI_TIPS_LAYOUT  # noqa: E402
-from empo2.prior_tips import (  # noqa: E402
+from empo2.prior_rounds import (  # noqa: E402
     decision_shift,
     signature_match_accuracy,
     signature_match_batches,
