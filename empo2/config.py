@@ -48,8 +48,9 @@ class ModelConfig:
     dtype: str = opt("float32", "Parameter dtype. bfloat16 halves memory on GPUs; float32 is exact and fastest on "
                      "CPUs without bf16 units.", choices=("float32", "bfloat16", "float16"))
     seed: int = opt(0, "Seed of the `tiny` model's random weights (other presets ignore it).", ge=0)
-    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% "
-                                       "slower updates. Needed for 7B models on long histories.")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, slower "
+                                       "updates (each layer runs forward twice). Needed for 7B models on long "
+                                       "histories.")
     lora_r: int = opt(0, "LoRA rank; 0 trains all weights. LoRA cuts optimizer memory, but the paper trains "
                       "full weights.", ge=0)
     lora_alpha: int = opt(32, "LoRA scaling numerator (effective scale alpha / r).", gt=0)
