@@ -42,7 +42,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check empo2 tests benchmarks
+	$(VENV)/bin/ruff check empo2 tests benchmarks research
 	$(VENV)/bin/lint-imports
 
 clean:
