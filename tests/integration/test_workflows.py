@@ -16,13 +16,13 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.compare import rollout_scores_by_mode
+from empo2.compare import run_memory_gain
 from empo2.config import ConfigError, load_config
 from empo2.envs import get_catalogue
 from empo2.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.experiments import EXPERIMENTS_DIR
 from empo2.grid import plan_grid, run_grid
-from empo2.stats import bootstrap_ci
+from empo2.stats import T_SEEDS, t_interval
 from empo2.sweep import load_sweep, run_sweep
 from empo2.train import train
 
@@ -108,22 +108,29 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
             values = [x["metrics"][m] for x in runs]
             assert float(rows[preset][f"{m} mean"]) == pytest.approx(np.mean(values), abs=1e-12)
             assert float(rows[preset][f"{m} std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-12)
-            _, low, high = bootstrap_ci(values)
+            _, low, high = t_interval(values)
             assert (float(rows[preset][f"{m} ci95_low"]), float(rows[preset][f"{m} ci95_high"])) == \
                 pytest.approx((low, high), abs=1e-12)
-        # each mode's rollout score pooled over a run (read back from MLflow's histories) as the run's own
-        # closing report pools it from its summary
-        for mode in ("memory", "tipfree"):
-            pooled = [rollout_scores_by_mode(x["history"])[mode] for x in runs]
-            cell = rows[preset].get(f"rollout/score_{mode} (run) mean", "")
-            if all(pooled):
-                assert float(cell) == pytest.approx(np.mean([v for v, _ in pooled]), abs=1e-9)
-            elif not any(pooled):
-                assert cell in ("", "nan")
-    assert all(rows[p]["rollout/score_tipfree (run) mean"] not in ("", "nan") for p in GRID_PRESETS)
+        assert rows[preset]["ci_method"] == T_SEEDS
+        # what the tips add like for like over a run (read back from MLflow's histories) as the run's own
+        # closing report takes it from its summary
+        gains = [run_memory_gain(x["history"]) for x in runs]
+        cell = rows[preset].get("rollout/memory_gain (run) mean", "")
+        if all(gains):
+            assert float(cell) == pytest.approx(np.mean([g for g, _ in gains]), abs=1e-9)
+        elif not any(gains):
+            assert cell in ("", "nan")
     assert any(float(rows[p]["rollout/return std"]) > 0 for p in GRID_PRESETS), "seeds should differ"
     table = (out / "compare.md").read_text()
-    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS)
+    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS) and f"95% interval of the mean: {T_SEEDS}" in table
+    # every run's own values beside the table, from which each interval is recomputed
+    with open(out / "runs.csv") as f:
+        per_run = list(csv.DictReader(f))
+    assert [(r["preset"], r["seed"]) for r in per_run] == [(p, str(s)) for p in sorted(GRID_PRESETS) for s in (0, 1)]
+    for r in per_run:
+        assert r["run_name"] == f"{r['preset']}-s{r['seed']}"
+        for m in COMPARED:
+            assert float(r[m]) == summaries[r["preset"]][int(r["seed"])]["metrics"][m]
     for m in COMPARED:
         png = out / f"curve_{m.replace('/', '_')}.png"
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -143,21 +150,11 @@ def test_compare_pairs_each_preset_with_the_baseline_seed_by_seed(grid):
     for m in COMPARED:
         diffs = [summaries["empo2_official_minisci"][s]["metrics"][m] - summaries["grpo_minisci"][s]["metrics"][m]
                  for s in (0, 1)]
-        mean, low, high = bootstrap_ci(diffs)
+        mean, low, high = t_interval(diffs)
         row = rows["empo2_official_minisci"]
         assert [float(row[f"{m} {k}"]) for k in ("diff", "ci95_low", "ci95_high", "pairs")] == \
             pytest.approx([mean, low, high, 2], abs=1e-9)
-    # within a run, what the tips add is the pooled score with tips minus the tip-free one
-    with open(out / "compare.csv") as f:
-        table = {r["preset"]: r for r in csv.DictReader(f)}
-    gains = []
-    for s in (0, 1):
-        pooled = rollout_scores_by_mode(summaries["empo2_official_minisci"][s]["history"])
-        if pooled["memory"] and pooled["tipfree"]:
-            gains.append(pooled["memory"][0] - pooled["tipfree"][0])
-    if gains:
-        assert float(table["empo2_official_minisci"]["rollout/memory_gain (run) mean"]) == \
-            pytest.approx(np.mean(gains), abs=1e-9)
+    assert rows["empo2_official_minisci"]["ci_method"] == T_SEEDS
     bad = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
                 "--baseline", "grpo")
     assert bad.returncode != 0 and "--baseline 'grpo' is not a group" in bad.stderr and "grpo_minisci" in bad.stderr
