@@ -302,6 +302,25 @@ def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on
         assert dataclasses.asdict(r.cfg.trainer) == dataclasses.asdict(same[r.preset].trainer)
 
 
+def test_the_powered_headline_is_empo2_against_grpo_on_ten_seeds_and_48_held_out_instances():
+    """The decisive contrast of the signed grid again, powered: only the seeds and the held-out list differ."""
+    from empo2.rollout.build import validation_tasks
+
+    _, powered = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed_powered.yaml")
+    _, signed = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed.yaml", seeds=1)
+    assert sorted({r.preset for r in powered}) == ["empo2_paper_minisci_tips", "grpo_minisci_tips"]
+    assert [r.seed for r in powered if r.preset == "grpo_minisci_tips"] == list(range(10))
+    same = {r.preset: r.cfg for r in signed}
+    for r in powered:
+        held_out, training = validation_tasks(r.cfg), validation_tasks(r.cfg, on_train=True)
+        assert len(held_out) == 48 and len(training) == 8 and r.cfg.trainer.val_train
+        assert not {(t.task, t.variation) for t in held_out} & {(t.task, t.variation) for t in training}
+        assert dataclasses.replace(r.cfg.env, val_variations=12) == same[r.preset].env
+        for part in ("algo", "rollout", "memory", "model", "trainer"):
+            assert getattr(r.cfg, part) == getattr(same[r.preset], part), part
+        assert r.cfg.torch_threads == 1 and r.cfg.logger.experiment == "empo2-headline-minisci-signed-powered"
+
+
 def test_shipped_sweeps_load():
     for name in ("empo2", "empo2_minisci"):
         spec = load_sweep(Path(EXPERIMENTS_DIR).parent / "sweeps" / f"{name}.yaml")
