@@ -119,10 +119,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def run_findings(history: list[dict]) -> list[str]:
     """What a run shows about the method, from its per-iteration history: tip-free validation before and
-    after training (held-out and on the training instances), and the scores of rollouts that carried tips
-    beside tip-free ones over the whole run, weighted by episodes (the memory is live only if the first is
-    higher)."""
-    from empo2.compare import rollout_scores_by_mode
+    after training (held out and on the training instances), and what the tips add like for like: within the
+    groups (one instance, iteration and set of weights) that held both rollouts with tips and tip-free ones,
+    or for p = 1 against the same instance's tip-free first visit."""
+    from empo2.compare import run_memory_gain
     from empo2.utils import plural
 
     lines = []
@@ -133,11 +133,18 @@ def run_findings(history: list[dict]) -> list[str]:
             lines.append(f"{label}: {points[0][1]:.1f} before training -> {points[-1][1]:.1f} after")
         elif points:
             lines.append(f"{label}: {points[-1][1]:.1f} after training")
-    totals = rollout_scores_by_mode(history)
-    if totals["memory"] and totals["tipfree"]:
-        (mem, n_mem), (free, n_free) = totals["memory"], totals["tipfree"]
-        lines.append(f"training rollouts: {mem:.1f} with tips ({plural(n_mem, 'episode')}) vs {free:.1f} tip-free "
-                     f"({plural(n_free, 'episode')})")
+    gain = run_memory_gain(history)
+    if gain is not None:
+        lines.append(f"training rollouts with tips minus tip-free, like for like: {gain[0]:+.1f} (mean over "
+                     f"{plural(gain[1], 'group')} of one instance and iteration holding both)")
+    first = [h for h in history if "rollout/first_visit_gain" in h]
+    if first:
+        n = int(first[-1]["rollout/first_visit_gain_instances"])
+        lines.append(f"training rollouts, later visits with tips minus the same instance's tip-free first visit: "
+                     f"{first[-1]['rollout/first_visit_gain']:+.1f} ({plural(n, 'instance')})")
+    missed = int(sum(h.get("rollout/episodes_memory_miss", 0.0) for h in history))
+    if missed:
+        lines.append(f"{plural(missed, 'rollout')} drawn with memory found no tip (counted apart, not as tip-free)")
     return lines
 
 
@@ -242,7 +249,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(Path(result["table"]).read_text(), end="")
     if result["paired"]:
         print("\n" + (Path(result["out"]) / "paired.md").read_text(), end="")
-    print(f"written to {result['out']}: compare.md, compare.csv"
+    print(f"written to {result['out']}: compare.md, compare.csv, runs.csv"
           + (", paired.md, paired.csv" if result["paired"] else "") + f", {len(result['curves'])} curves"
           + (f", {len(result['sweep'])} sweep files" if result["sweep"] else ""))
     return 0

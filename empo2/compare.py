@@ -6,16 +6,19 @@ and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a 
 `trial` when the runs are a sweep's trials, else `preset`), and writes:
 
 - `compare.md` and `compare.csv`: per group the number of runs and, for each metric, the mean ± std (sample
-  std over runs, i.e. seeds) and a 95% percentile bootstrap interval of the mean over runs (seeded, so a
-  report is reproducible); where runs drew memory modes, also the score of the rollouts that carried tips
-  and of the tip-free ones pooled over each run (`rollout/score_memory (run)`, weighted by episodes: the
-  memory is live only if the first is higher), and their difference run by run (`rollout/memory_gain (run)`,
-  whose interval is the paired one);
+  std over runs, i.e. seeds) and a 95% interval of the mean, with the method that made it (`ci_method`): seeds
+  are the unit of replication, so a Student-t interval over the runs (`empo2.stats.t_interval`); where runs drew
+  memory modes, also what the tips add like for like over each run (`rollout/memory_gain (run)`: in every group
+  of one instance, iteration and weights holding both, the score with tips minus tip-free, averaged over those
+  groups; `rollout/memory_gain_groups (run)`: how many) and, for p = 1, `rollout/first_visit_gain` (later visits
+  with tips minus the same instance's tip-free first visit);
+- `runs.csv`: every run's own values (group, seed, run, each metric), so every interval can be recomputed;
 - for each validation metric, its value before training (`<metric> (before)`, from runs with
   `trainer.val_before_train`), so a table shows where every group started;
 - with a baseline group (`--baseline grpo`): `paired.md` and `paired.csv`, every other group's final metrics
   minus the baseline's, paired by seed (the runs of one seed share their instances and validation draws, so
-  the paired interval is usually narrower than the two groups' intervals suggest);
+  the paired interval, a t-interval over the per-seed differences, is usually narrower than the two groups'
+  intervals suggest);
 - `curve_<metric>.png`: per group the mean learning curve over runs with a ±1 std band;
 - for every Optuna study in the experiment (its parent run is tagged `empo2.role=study`):
   `importance_<study>.png` (parameter importances) and `trials_<study>.csv` (every trial).
@@ -32,47 +35,51 @@ from pathlib import Path
 import numpy as np
 
 from empo2.config import ConfigError
-from empo2.stats import bootstrap_ci
+from empo2.stats import T_SEEDS, t_interval
 
 # scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
 # EMPO² with GRPO like for like
 DEFAULT_METRICS = ("val/score_nomem", "val/success_nomem", "val/score_mem", "val/success_mem",
-                   "val_train/score_nomem", "rollout/score", "rollout/success", "rollout/ext_return")
+                   "val_train/score_nomem", "rollout/score", "rollout/success", "rollout/ext_return",
+                   "rollout/first_visit_gain", "rollout/first_visit_gain_instances")
 STUDY_ROLE = ("empo2.role", "study")
-# Per-iteration rollout scores by memory mode, pooled over a run into one derived metric each
-MODES = ("memory", "tipfree")
-POOLED = tuple(f"rollout/score_{mode} (run)" for mode in MODES)
-GAIN = "rollout/memory_gain (run)"  # POOLED[0] - POOLED[1] of one run: what the tips add within that run
+# What the tips add like for like over a run (from the per-iteration `rollout/memory_gain`), and on how many groups
+GAIN, GAIN_GROUPS = "rollout/memory_gain (run)", "rollout/memory_gain_groups (run)"
 
 
-def rollout_scores_by_mode(history: list[dict]) -> dict[str, tuple[float, int] | None]:
-    """Per memory mode, the score of a run's training rollouts in that mode, weighted by episodes, and their
-    number (None where no episode ran in it). history: per iteration, `rollout/episodes_<mode>` and
-    `rollout/score_<mode>` where that iteration logged them."""
-    pooled = {}
-    for mode in MODES:
-        n = sum(h.get(f"rollout/episodes_{mode}", 0.0) for h in history)
-        total = sum(h.get(f"rollout/episodes_{mode}", 0.0) * h.get(f"rollout/score_{mode}", 0.0) for h in history)
-        pooled[mode] = (total / n, int(n)) if n else None
-    return pooled
+def run_memory_gain(history: list[dict]) -> tuple[float, int] | None:
+    """(gain, groups) of a run: the per-iteration `rollout/memory_gain` weighted by `rollout/memory_gain_groups`,
+    i.e. the mean over every group of the run that held both rollouts with tips and tip-free ones; None where
+    no group did."""
+    n = sum(h.get("rollout/memory_gain_groups", 0.0) for h in history)
+    if not n:
+        return None
+    total = sum(h["rollout/memory_gain_groups"] * h["rollout/memory_gain"] for h in history
+                if h.get("rollout/memory_gain_groups"))
+    return total / n, int(n)
 
 
 def paired_difference(group: dict[str, float], baseline: dict[str, float]) -> tuple[float, float, float, int]:
-    """(mean, ci95 low, ci95 high, pairs) of group − baseline over the seeds both have; group, baseline:
-    {seed: final value}. NaN where no seed is shared; NaN interval for a single pair."""
+    """(mean, ci95 low, ci95 high, pairs) of group − baseline over the seeds both have, the interval a t-interval
+    over the per-seed differences (the paired t-test's); group, baseline: {seed: final value}. NaN where no seed is
+    shared; NaN interval for a single pair."""
     seeds = sorted(set(group) & set(baseline))
     diffs = np.array([group[s] - baseline[s] for s in seeds], dtype=float)  # (pairs,)
-    if len(diffs) < 2:
-        return (float(diffs[0]) if len(diffs) else math.nan), math.nan, math.nan, len(diffs)
-    mean, low, high = bootstrap_ci(diffs)
+    if not len(diffs):
+        return math.nan, math.nan, math.nan, 0
+    mean, low, high = t_interval(diffs)
     return mean, low, high, len(diffs)
+
+
+def _seed(run) -> str | None:
+    return run.data.tags.get("seed", run.data.params.get("seed"))
 
 
 def _by_seed(runs: list, finals: dict, metric: str, group: str) -> dict[str, float]:
     """{seed: final value of metric} of a group's runs; a seed run twice cannot be paired and is refused."""
     values: dict[str, float] = {}
     for r in runs:
-        seed = r.data.tags.get("seed", r.data.params.get("seed"))
+        seed = _seed(r)
         if metric not in finals[r.info.run_id]:
             continue
         if seed in values:
@@ -99,13 +106,13 @@ SUMMARY = ("mean", "std", "ci95_low", "ci95_high")
 
 
 def _summarize(values: list[float]) -> tuple[float, float, float, float]:
-    """Mean, sample std (ddof=1) and the 95% bootstrap interval of the mean over runs; the std and interval
+    """Mean, sample std (ddof=1) and the 95% t-interval of the mean over runs (seeds); the std and interval
     of a single run are NaN, not 0: one seed shows no spread."""
     arr = np.asarray(values, dtype=float)
     if len(arr) < 2:
         return float(arr.mean()), math.nan, math.nan, math.nan
-    _, low, high = bootstrap_ci(arr)
-    return float(arr.mean()), float(arr.std(ddof=1)), low, high
+    mean, low, high = t_interval(arr)
+    return mean, float(arr.std(ddof=1)), low, high
 
 
 def _fmt(mean: float, std: float, low: float, high: float) -> str:
@@ -114,15 +121,15 @@ def _fmt(mean: float, std: float, low: float, high: float) -> str:
     return f"{mean:.4g}" if math.isnan(std) else f"{mean:.4g} ± {std:.2g} [{low:.4g}, {high:.4g}]"
 
 
-def _pooled_by_mode(client, run) -> dict[str, float]:
-    """The run's `POOLED` metrics, from its per-iteration history in MLflow (absent for a mode it never ran)."""
+def _memory_gain(client, run) -> dict[str, float]:
+    """The run's `GAIN` and `GAIN_GROUPS`, from its per-iteration history in MLflow (absent where no group held
+    both kinds of rollout)."""
     steps: dict[int, dict] = defaultdict(dict)
-    for mode in MODES:
-        for key in (f"rollout/episodes_{mode}", f"rollout/score_{mode}"):
-            for point in client.get_metric_history(run.info.run_id, key):
-                steps[point.step][key] = point.value
-    pooled = rollout_scores_by_mode([steps[k] for k in sorted(steps)])
-    return {name: v[0] for name, v in zip(POOLED, (pooled[m] for m in MODES)) if v is not None}
+    for key in ("rollout/memory_gain", "rollout/memory_gain_groups"):
+        for point in client.get_metric_history(run.info.run_id, key):
+            steps[point.step][key] = point.value
+    gain = run_memory_gain([steps[k] for k in sorted(steps)])
+    return {} if gain is None else {GAIN: gain[0], GAIN_GROUPS: float(gain[1])}
 
 
 def _group_order(name: str) -> tuple:
@@ -169,14 +176,11 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     out.mkdir(parents=True, exist_ok=True)
 
     finals = {r.info.run_id: dict(r.data.metrics) for r in finished}
-    pooled = []  # derived per run: each memory mode's score over the run, and their difference
-    if "rollout/episodes_memory" in present:  # runs that drew memory modes: pool each mode's score over the run
+    gains = []  # derived per run: what the tips add like for like over the run, and on how many groups
+    if "rollout/memory_gain" in present:
         for r in finished:
-            f = finals[r.info.run_id]
-            f.update(_pooled_by_mode(client, r))
-            if all(m in f for m in POOLED):
-                f[GAIN] = f[POOLED[0]] - f[POOLED[1]]
-        pooled = [m for m in POOLED + (GAIN,) if any(m in f for f in finals.values())]
+            finals[r.info.run_id].update(_memory_gain(client, r))
+        gains = [GAIN, GAIN_GROUPS]
     before = []
     for m in (m for m in metrics if m.startswith("val")):  # validation before training is logged at step -1
         for r in finished:
@@ -184,7 +188,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
             if first:
                 finals[r.info.run_id][f"{m} (before)"] = first[0]
         before += [f"{m} (before)"] if any(f"{m} (before)" in f for f in finals.values()) else []
-    derived = before + pooled
+    derived = before + gains
     rows = []
     for name in sorted(groups, key=_group_order):
         row = {"group": name, "runs": len(groups[name])}
@@ -194,6 +198,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
         rows.append(row)
     table_md, table_csv = out / "compare.md", out / "compare.csv"
     _write_tables(rows, metrics + derived, group_by, experiment, table_md, table_csv)
+    _write_runs(groups, finals, metrics + derived, group_by, out / "runs.csv")
     paired = []
     if baseline is not None:
         base = {m: _by_seed(groups[baseline], finals, m, baseline) for m in metrics + derived}
@@ -207,13 +212,13 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     for study_run in studies:
         sweep_files += _study_outputs(study_run, storage, out)
     return {"rows": rows, "metrics": metrics + derived, "group_by": group_by, "table": str(table_md),
-            "csv": str(table_csv), "paired": paired, "curves": [str(p) for p in curves],
+            "csv": str(table_csv), "runs": str(out / "runs.csv"), "paired": paired, "curves": [str(p) for p in curves],
             "sweep": [str(p) for p in sweep_files], "out": str(out)}
 
 
 def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experiment: str, md: Path, csv_path: Path):
     head = [group_by, "runs", *metrics]
-    lines = [f"# {experiment}: final metrics, mean ± std over runs [95% bootstrap interval of the mean]", "",
+    lines = [f"# {experiment}: final metrics, mean ± std over runs [95% interval of the mean: {T_SEEDS}]", "",
              "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for row in rows:
@@ -221,9 +226,22 @@ def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experimen
     md.write_text("\n".join(lines) + "\n")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([group_by, "runs"] + [f"{m} {s}" for m in metrics for s in SUMMARY])
+        w.writerow([group_by, "runs", "ci_method"] + [f"{m} {s}" for m in metrics for s in SUMMARY])
         for row in rows:
-            w.writerow([row["group"], row["runs"]] + [repr(v) for m in metrics for v in row[m]])
+            w.writerow([row["group"], row["runs"], T_SEEDS] + [repr(v) for m in metrics for v in row[m]])
+
+
+def _write_runs(groups: dict[str, list], finals: dict, metrics: list[str], group_by: str, path: Path) -> None:
+    """One row per run: its group, seed, name and id, and its own value of every metric (empty where it has none),
+    the values every interval of the report is computed from."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([group_by, "seed", "run_name", "run_id", *metrics])
+        for name in sorted(groups, key=_group_order):
+            for r in sorted(groups[name], key=lambda r: (_group_order(str(_seed(r))), r.info.run_name or "")):
+                values = finals[r.info.run_id]
+                w.writerow([name, _seed(r), r.info.run_name, r.info.run_id]
+                           + [repr(values[m]) if m in values else "" for m in metrics])
 
 
 def _write_paired(rows: list[dict], metrics: list[str], group_by: str, baseline: str, experiment: str, md: Path,
@@ -232,15 +250,17 @@ def _write_paired(rows: list[dict], metrics: list[str], group_by: str, baseline:
         mean, low, high = (round(v, 9) + 0.0 for v in (mean, low, high))  # a difference of equal floats reads +0
         return "—" if n == 0 else f"{mean:+.4g} (1 pair)" if n == 1 else f"{mean:+.4g} [{low:+.4g}, {high:+.4g}] ({n})"
 
-    lines = [f"# {experiment}: final metrics minus {baseline}'s, paired by seed: mean difference [95% bootstrap "
-             "interval] (pairs)", "", "| " + " | ".join([group_by, *metrics]) + " |", "|" + "---|" * (len(metrics) + 1)]
+    lines = [f"# {experiment}: final metrics minus {baseline}'s, paired by seed: mean difference [95% interval: "
+             f"{T_SEEDS}, of the per-seed differences] (pairs)", "", "| " + " | ".join([group_by, *metrics]) + " |",
+             "|" + "---|" * (len(metrics) + 1)]
     lines += ["| " + " | ".join([row["group"]] + [cell(*row[m]) for m in metrics]) + " |" for row in rows]
     md.write_text("\n".join(lines) + "\n")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([group_by] + [f"{m} {s}" for m in metrics for s in ("diff", "ci95_low", "ci95_high", "pairs")])
+        w.writerow([group_by, "ci_method"] + [f"{m} {s}" for m in metrics for s in ("diff", "ci95_low", "ci95_high",
+                                                                                     "pairs")])
         for row in rows:
-            w.writerow([row["group"]] + [repr(v) for m in metrics for v in row[m]])
+            w.writerow([row["group"], T_SEEDS] + [repr(v) for m in metrics for v in row[m]])
 
 
 def group_curve(runs: list[tuple[dict[int, float], dict[int, float] | None]]):

@@ -29,6 +29,7 @@ from empo2.lit.progress import Phase
 from empo2.lit.strategy import unsharded
 from empo2.rollout.collector import RolloutCollector
 from empo2.rollout.engines import build_engine, full_named_tensors
+from empo2.stats import first_visit_gain
 
 
 def _to_torch(obj):
@@ -75,6 +76,9 @@ class RolloutCallback(L.Callback):
         self._engine_synced = False
         self._sync_s = 0.0  # seconds spent loading weights into the engine since the last iteration's stats
         self.phase = Phase()  # rollouts, update or validation, with its count (the progress bar shows it)
+        # p = 1 (memory only): no group holds a tip-free rollout to set the tips against, so each training rollout
+        # is kept as (instance, iteration, score, carried tips) for `first_visit_gain`; this rank's rollouts only
+        self.visits: list[tuple] | None = [] if cfg.algo.p == 1 and collector.memory is not None else None
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
@@ -148,6 +152,12 @@ class RolloutCallback(L.Callback):
 
         stats = dict(batch.stats, **{"train/iteration": float(it), "train/env_steps": float(self.env_steps),
                                      "algo/beta": self.collector.settings.beta})
+        if self.visits is not None:  # the estimate over the run so far: its last value is the run's
+            self.visits += [(f"{tr.task}#{tr.variation}", it, tr.score, tr.carried_tips) for tr in batch.trajectories]
+            gain, instances = first_visit_gain(*zip(*self.visits))
+            stats["rollout/first_visit_gain_instances"] = float(instances)
+            if instances:
+                stats["rollout/first_visit_gain"] = gain
         stats["env/restarts"] = float(self._env_restarts())
         stats["time/weight_sync_s"], self._sync_s = self._sync_s, 0.0  # the syncs since the last iteration's stats
         self._log(trainer, it, stats)
@@ -231,7 +241,8 @@ class RolloutCallback(L.Callback):
         memory = self.collector.memory
         return {"novelty": self.collector.novelty.state_dict(),
                 "memory": _to_torch(memory.state_dict()) if memory is not None else None,
-                "history": self.history, "iteration": self.iteration, "env_steps": self.env_steps}
+                "history": self.history, "iteration": self.iteration, "env_steps": self.env_steps,
+                "visits": self.visits}
 
     def load_state_dict(self, state: dict) -> None:
         self.collector.novelty.load_state_dict(state["novelty"])
@@ -240,3 +251,5 @@ class RolloutCallback(L.Callback):
         self.history = list(state.get("history", []))
         self.iteration = int(state["iteration"])
         self.env_steps = int(state["env_steps"])
+        if self.visits is not None:
+            self.visits = [tuple(v) for v in state.get("visits") or []]

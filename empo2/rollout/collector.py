@@ -23,6 +23,7 @@ from empo2.memory import Embedder, TipMemory, episode_entries, sanitize_tip
 from empo2.rollout.engines import GenerationEngine, SamplingParams
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import RolloutBatch, StepSample, Trajectory
+from empo2.stats import memory_gain
 
 
 class NoveltyCounter:
@@ -174,6 +175,7 @@ class RolloutCollector:
                     group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs,
                     prefix_len=prompt.prefix_len))
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
+                traj.wanted_tips |= bool(memory_mode[i, t])
                 res = envs[i].step(gen.text)
                 traj.ext_return += res.reward
                 traj.score, traj.won = float(res.info.get("score", 0.0)), bool(res.info.get("won", False))
@@ -303,11 +305,20 @@ class RolloutCollector:
             "memory/size": float(len(self.memory)) if self.memory is not None else 0.0,
             "time/rollout_s": wall,
         }
-        # the mechanism is live only if rollouts that carried tips score above those that did not
-        for name, group in (("memory", [tr for tr in trajs if any(smp.memory for smp in tr.samples)]),
-                            ("tipfree", [tr for tr in trajs if not any(smp.memory for smp in tr.samples)])):
+        # Per rollout kind: with tips, drawn tip-free, and drawn in memory mode but finding no tip (`memory_miss`,
+        # mostly an instance's first draw: never counted as tip-free). The pooled scores describe; what the tips
+        # add is `memory_gain`, like for like within groups (`empo2.stats.memory_gain`), on the score.
+        kinds = {"memory": [tr for tr in trajs if tr.carried_tips],
+                 "tipfree": [tr for tr in trajs if not tr.wanted_tips],
+                 "memory_miss": [tr for tr in trajs if tr.wanted_tips and not tr.carried_tips]}
+        for name, group in kinds.items():
             stats[f"rollout/episodes_{name}"] = float(len(group))
             if group:
                 stats[f"rollout/score_{name}"] = sum(tr.score for tr in group) / len(group)
+        gain, groups = memory_gain([tr.score for tr in trajs], [tr.group_id for tr in trajs],
+                                   [tr.carried_tips for tr in trajs], [tr.wanted_tips for tr in trajs])
+        stats["rollout/memory_gain_groups"] = float(groups)
+        if groups:
+            stats["rollout/memory_gain"] = gain
         stats.update({f"time/{k}_s": v for k, v in timing.items()})
         return stats

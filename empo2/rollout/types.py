@@ -44,12 +44,18 @@ class Trajectory:
     won: bool = False
     invalid_actions: int = 0
     tips_used: set[int] = field(default_factory=set)  # memory ids that appeared in this trajectory's prompts
+    # drawn in memory mode at some step it played: with no tip in any prompt it found nothing, and is not tip-free
+    wanted_tips: bool = False
     env_error: str | None = None
     tip: str | None = None  # the tip the policy wrote after the episode (after sanitising), if any
 
     @property
     def length(self) -> int:
         return len(self.samples)
+
+    @property
+    def carried_tips(self) -> bool:
+        return any(smp.memory for smp in self.samples)
 
 
 @dataclass

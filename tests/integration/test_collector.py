@@ -235,6 +235,10 @@ def test_no_query_is_embedded_for_a_namespace_without_tips(policy, embedder):
     c.embedder = Counting(embedder)
     batch = collect(c)
     assert c.embedder.texts == 0 and not any(s.memory for s in batch.samples)
+    # every rollout wanted tips and found none: counted apart, never as tip-free, and nothing to pair
+    assert batch.stats["rollout/episodes_memory_miss"] == len(TASKS) * N
+    assert batch.stats["rollout/episodes_tipfree"] == 0
+    assert batch.stats["rollout/memory_gain_groups"] == 0 and "rollout/memory_gain" not in batch.stats
     fill_memory(c)
     c.embedder.texts = 0
     batch = collect(c)
@@ -287,3 +291,22 @@ def test_tips_are_written_at_the_tip_temperature(policy, embedder):
     again = HFEngine(model, tok).generate(prompts, params, seed=12345)
     assert [sanitize_tip(g.text, c.settings.max_tip_words, tok.all_special_tokens) for g in again] == \
            [tr.tip for tr in batch.trajectories]
+
+
+def test_memory_gain_sets_tips_against_tip_free_rollouts_of_the_same_group(policy, embedder):
+    """The logged `rollout/memory_gain`: per group holding both kinds, mean score with tips minus tip-free."""
+    c = make_collector(policy, embedder, p=0.5, q=0.0, min_sim=-1.0, write_tips=False)
+    fill_memory(c)
+    for seed in range(20):  # a draw with a group of both kinds
+        batch = collect(c, seed=seed)
+        by_group = {}
+        for tr in batch.trajectories:
+            assert tr.wanted_tips == tr.carried_tips  # the memory holds a tip for every instance
+            by_group.setdefault(tr.group_id, ([], []))[0 if tr.carried_tips else 1].append(tr.score)
+        mixed = [np.mean(a) - np.mean(b) for a, b in by_group.values() if a and b]
+        if mixed:
+            break
+    assert mixed, "no draw of 20 mixed tips and tip-free rollouts in a group"
+    assert batch.stats["rollout/memory_gain_groups"] == len(mixed)
+    assert batch.stats["rollout/memory_gain"] == pytest.approx(np.mean(mixed))
+    assert batch.stats["rollout/episodes_memory"] + batch.stats["rollout/episodes_tipfree"] == len(TASKS) * N

@@ -239,3 +239,29 @@ def test_processes_started_by_torchrun_need_a_run_name(monkeypatch):
     assert resume_run_name(load_config(FAST + ["run_name=r"])) == "r"
     monkeypatch.setenv("EMPO2_RUN_NAME", "spawned")  # Lightning's own DDP launcher hands its children the name
     assert resume_run_name(load_config(FAST)) == "spawned"
+
+
+def test_memory_only_sets_later_visits_against_the_tip_free_first_visit_and_resumes_it(tmp_path):
+    """p = 1: no group holds a tip-free rollout, so `rollout/memory_gain` is never logged; the estimate that fits is
+    `rollout/first_visit_gain`, over the run so far. One training instance: iteration 0 is its first visit (an
+    empty memory, every rollout finds nothing), every later one reads its tips (min_sim -1)."""
+    three = [o for o in FAST if not o.startswith("algo.")] + [
+        "experiment=memory_only_minisci", "trainer.iterations=3", "env.tasks=[find-living-thing]",
+        "env.train_variations=1", "memory.min_sim=-1", f"run_root={tmp_path}"]
+    straight = train(load_config(three + ["run_name=a"]))
+    rollouts = [h for h in straight["history"] if "rollout/return" in h]
+    n_traj = 2 * 4  # tasks_per_batch x group_size
+    assert [h["rollout/episodes_memory_miss"] for h in rollouts] == [n_traj, 0, 0]
+    assert all(h["rollout/memory_gain_groups"] == 0 and "rollout/memory_gain" not in h for h in rollouts)
+    assert rollouts[0]["rollout/first_visit_gain_instances"] == 0 and "rollout/first_visit_gain" not in rollouts[0]
+    first = rollouts[0]["rollout/score_memory_miss"]
+    for i in (1, 2):  # later visits, pooled over the iterations so far, minus the first visit
+        later = rollouts[1:i + 1]
+        mean_later = sum(h["rollout/score_memory"] * h["rollout/episodes_memory"] for h in later) / \
+            sum(h["rollout/episodes_memory"] for h in later)
+        assert rollouts[i]["rollout/first_visit_gain_instances"] == 1
+        assert rollouts[i]["rollout/first_visit_gain"] == pytest.approx(mean_later - first)
+    # a resumed run carries the visits over: its estimate is the uninterrupted run's
+    train(load_config(three + ["run_name=b"]), callbacks=[StopAfter(2)])
+    resumed = train(load_config(three + ["run_name=b", "resume=auto"]))
+    assert resumed["metrics"]["rollout/first_visit_gain"] == straight["metrics"]["rollout/first_visit_gain"]

@@ -16,13 +16,13 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.compare import rollout_scores_by_mode
+from empo2.compare import run_memory_gain
 from empo2.config import ConfigError, load_config
 from empo2.envs import get_catalogue
 from empo2.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.experiments import EXPERIMENTS_DIR
 from empo2.grid import plan_grid, run_grid
-from empo2.stats import bootstrap_ci
+from empo2.stats import T_SEEDS, t_interval
 from empo2.sweep import load_sweep, run_sweep
 from empo2.train import train
 
@@ -108,22 +108,29 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
             values = [x["metrics"][m] for x in runs]
             assert float(rows[preset][f"{m} mean"]) == pytest.approx(np.mean(values), abs=1e-12)
             assert float(rows[preset][f"{m} std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-12)
-            _, low, high = bootstrap_ci(values)
+            _, low, high = t_interval(values)
             assert (float(rows[preset][f"{m} ci95_low"]), float(rows[preset][f"{m} ci95_high"])) == \
                 pytest.approx((low, high), abs=1e-12)
-        # each mode's rollout score pooled over a run (read back from MLflow's histories) as the run's own
-        # closing report pools it from its summary
-        for mode in ("memory", "tipfree"):
-            pooled = [rollout_scores_by_mode(x["history"])[mode] for x in runs]
-            cell = rows[preset].get(f"rollout/score_{mode} (run) mean", "")
-            if all(pooled):
-                assert float(cell) == pytest.approx(np.mean([v for v, _ in pooled]), abs=1e-9)
-            elif not any(pooled):
-                assert cell in ("", "nan")
-    assert all(rows[p]["rollout/score_tipfree (run) mean"] not in ("", "nan") for p in GRID_PRESETS)
+        assert rows[preset]["ci_method"] == T_SEEDS
+        # what the tips add like for like over a run (read back from MLflow's histories) as the run's own
+        # closing report takes it from its summary
+        gains = [run_memory_gain(x["history"]) for x in runs]
+        cell = rows[preset].get("rollout/memory_gain (run) mean", "")
+        if all(gains):
+            assert float(cell) == pytest.approx(np.mean([g for g, _ in gains]), abs=1e-9)
+        elif not any(gains):
+            assert cell in ("", "nan")
     assert any(float(rows[p]["rollout/return std"]) > 0 for p in GRID_PRESETS), "seeds should differ"
     table = (out / "compare.md").read_text()
-    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS)
+    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS) and f"95% interval of the mean: {T_SEEDS}" in table
+    # every run's own values beside the table, from which each interval is recomputed
+    with open(out / "runs.csv") as f:
+        per_run = list(csv.DictReader(f))
+    assert [(r["preset"], r["seed"]) for r in per_run] == [(p, str(s)) for p in sorted(GRID_PRESETS) for s in (0, 1)]
+    for r in per_run:
+        assert r["run_name"] == f"{r['preset']}-s{r['seed']}"
+        for m in COMPARED:
+            assert float(r[m]) == summaries[r["preset"]][int(r["seed"])]["metrics"][m]
     for m in COMPARED:
         png = out / f"curve_{m.replace('/', '_')}.png"
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -143,21 +150,11 @@ def test_compare_pairs_each_preset_with_the_baseline_seed_by_seed(grid):
     for m in COMPARED:
         diffs = [summaries["empo2_official_minisci"][s]["metrics"][m] - summaries["grpo_minisci"][s]["metrics"][m]
                  for s in (0, 1)]
-        mean, low, high = bootstrap_ci(diffs)
+        mean, low, high = t_interval(diffs)
         row = rows["empo2_official_minisci"]
         assert [float(row[f"{m} {k}"]) for k in ("diff", "ci95_low", "ci95_high", "pairs")] == \
             pytest.approx([mean, low, high, 2], abs=1e-9)
-    # within a run, what the tips add is the pooled score with tips minus the tip-free one
-    with open(out / "compare.csv") as f:
-        table = {r["preset"]: r for r in csv.DictReader(f)}
-    gains = []
-    for s in (0, 1):
-        pooled = rollout_scores_by_mode(summaries["empo2_official_minisci"][s]["history"])
-        if pooled["memory"] and pooled["tipfree"]:
-            gains.append(pooled["memory"][0] - pooled["tipfree"][0])
-    if gains:
-        assert float(table["empo2_official_minisci"]["rollout/memory_gain (run) mean"]) == \
-            pytest.approx(np.mean(gains), abs=1e-9)
+    assert rows["empo2_official_minisci"]["ci_method"] == T_SEEDS
     bad = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
                 "--baseline", "grpo")
     assert bad.returncode != 0 and "--baseline 'grpo' is not a group" in bad.stderr and "grpo_minisci" in bad.stderr
@@ -303,6 +300,25 @@ def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on
         assert dataclasses.asdict(r.cfg.rollout) == dataclasses.asdict(same[r.preset].rollout)
         assert dataclasses.asdict(r.cfg.env) == dataclasses.asdict(same[r.preset].env)
         assert dataclasses.asdict(r.cfg.trainer) == dataclasses.asdict(same[r.preset].trainer)
+
+
+def test_the_powered_headline_is_empo2_against_grpo_on_ten_seeds_and_48_held_out_instances():
+    """The decisive contrast of the signed grid again, powered: only the seeds and the held-out list differ."""
+    from empo2.rollout.build import validation_tasks
+
+    _, powered = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed_powered.yaml")
+    _, signed = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed.yaml", seeds=1)
+    assert sorted({r.preset for r in powered}) == ["empo2_paper_minisci_tips", "grpo_minisci_tips"]
+    assert [r.seed for r in powered if r.preset == "grpo_minisci_tips"] == list(range(10))
+    same = {r.preset: r.cfg for r in signed}
+    for r in powered:
+        held_out, training = validation_tasks(r.cfg), validation_tasks(r.cfg, on_train=True)
+        assert len(held_out) == 48 and len(training) == 8 and r.cfg.trainer.val_train
+        assert not {(t.task, t.variation) for t in held_out} & {(t.task, t.variation) for t in training}
+        assert dataclasses.replace(r.cfg.env, val_variations=12) == same[r.preset].env
+        for part in ("algo", "rollout", "memory", "model", "trainer"):
+            assert getattr(r.cfg, part) == getattr(same[r.preset], part), part
+        assert r.cfg.torch_threads == 1 and r.cfg.logger.experiment == "empo2-headline-minisci-signed-powered"
 
 
 def test_shipped_sweeps_load():

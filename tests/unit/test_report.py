@@ -1,29 +1,45 @@
 from empo2.cli import run_findings
+from empo2.compare import run_memory_gain
 
 
-def test_findings_set_validation_before_beside_after_and_weigh_rollouts_by_episodes():
+def test_findings_set_validation_before_beside_after_and_the_memory_gain_like_for_like():
     history = [
         {"iteration": -1, "val/score_nomem": 10.0, "val_train/score_nomem": 20.0},
-        {"iteration": 0, "rollout/episodes_memory": 2.0, "rollout/score_memory": 50.0,
-         "rollout/episodes_tipfree": 6.0, "rollout/score_tipfree": 10.0},
-        {"iteration": 1, "rollout/episodes_memory": 0.0, "rollout/episodes_tipfree": 8.0,
-         "rollout/score_tipfree": 20.0, "val/score_nomem": 15.0, "val_train/score_nomem": 30.0},
+        {"iteration": 0, "rollout/memory_gain": 30.0, "rollout/memory_gain_groups": 1.0,
+         "rollout/episodes_memory_miss": 5.0},
+        {"iteration": 1, "rollout/memory_gain_groups": 0.0, "val/score_nomem": 15.0, "val_train/score_nomem": 30.0},
+        {"iteration": 2, "rollout/memory_gain": -6.0, "rollout/memory_gain_groups": 3.0,
+         "rollout/episodes_memory_miss": 1.0},
     ]
     lines = run_findings(history)
     assert lines[0] == "tip-free validation score (held out): 10.0 before training -> 15.0 after"
     assert lines[1] == "tip-free validation score (training instances): 20.0 before training -> 30.0 after"
-    # (2*50) / 2 = 50 with tips; (6*10 + 8*20) / 14 = 15.7 tip-free
-    assert lines[2] == "training rollouts: 50.0 with tips (2 episodes) vs 15.7 tip-free (14 episodes)"
+    # every group of the run counts once: (30 * 1 + -6 * 3) / 4 = +3.0, not the mean of the iterations (+12)
+    assert run_memory_gain(history) == (3.0, 4)
+    assert lines[2] == ("training rollouts with tips minus tip-free, like for like: +3.0 (mean over 4 groups of "
+                        "one instance and iteration holding both)")
+    assert lines[3] == "6 rollouts drawn with memory found no tip (counted apart, not as tip-free)"
+    assert len(lines) == 4
 
 
-def test_findings_say_only_what_the_history_holds():
+def test_findings_of_memory_only_use_the_first_visit_and_say_only_what_the_history_holds():
     assert run_findings([]) == []
-    only_after = run_findings([{"iteration": 2, "val/score_nomem": 40.0, "rollout/episodes_memory": 0.0,
-                                "rollout/episodes_tipfree": 4.0, "rollout/score_tipfree": 5.0}])
-    assert only_after == ["tip-free validation score (held out): 40.0 after training"]  # no tip rollouts: no line
-    one = run_findings([{"iteration": 0, "rollout/episodes_memory": 1.0, "rollout/score_memory": 25.0,
-                         "rollout/episodes_tipfree": 7.0, "rollout/score_tipfree": 0.0}])
-    assert one == ["training rollouts: 25.0 with tips (1 episode) vs 0.0 tip-free (7 episodes)"]
+    grpo = [{"iteration": 2, "val/score_nomem": 40.0, "rollout/memory_gain_groups": 0.0,
+             "rollout/episodes_tipfree": 4.0}]
+    assert run_findings(grpo) == ["tip-free validation score (held out): 40.0 after training"]
+    assert run_memory_gain(grpo) is None  # no group held both kinds: no estimate, not zero
+    memory_only = [  # p = 1: the estimate over the run so far, its last value the run's
+        {"iteration": 0, "rollout/memory_gain_groups": 0.0, "rollout/episodes_memory_miss": 24.0,
+         "rollout/first_visit_gain_instances": 0.0},
+        {"iteration": 1, "rollout/memory_gain_groups": 0.0, "rollout/first_visit_gain": 12.5,
+         "rollout/first_visit_gain_instances": 1.0},
+        {"iteration": 2, "rollout/memory_gain_groups": 0.0, "rollout/episodes_memory_miss": 8.0,
+         "rollout/first_visit_gain": 20.0, "rollout/first_visit_gain_instances": 3.0},
+    ]
+    assert run_findings(memory_only) == [
+        "training rollouts, later visits with tips minus the same instance's tip-free first visit: +20.0 "
+        "(3 instances)",
+        "32 rollouts drawn with memory found no tip (counted apart, not as tip-free)"]
 
 
 def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path):
