@@ -249,7 +249,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(Path(result["table"]).read_text(), end="")
     if result["paired"]:
         print("\n" + (Path(result["out"]) / "paired.md").read_text(), end="")
-    print(f"written to {result['out']}: compare.md, compare.csv, runs.csv"
+    instances = ", instances.csv" if (Path(result["out"]) / "instances.csv").is_file() else ""
+    print(f"written to {result['out']}: compare.md, compare.csv, runs.csv{instances}"
           + (", paired.md, paired.csv" if result["paired"] else "") + f", {len(result['curves'])} curves"
           + (f", {len(result['sweep'])} sweep files" if result["sweep"] else ""))
     return 0

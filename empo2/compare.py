@@ -7,18 +7,21 @@ and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a 
 
 - `compare.md` and `compare.csv`: per group the number of runs and, for each metric, the mean ± std (sample
   std over runs, i.e. seeds) and a 95% interval of the mean, with the method that made it (`ci_method`): seeds
-  are the unit of replication, so a Student-t interval over the runs (`empo2.stats.t_interval`); where runs drew
+  are the unit of replication, so a Student-t interval over the runs (`empo2.stats.t_interval`), or where the runs
+  logged each instance's value (`val/score_nomem/<task>-<variation>`, ...) a two-level bootstrap, seeds then
+  instances within each (`empo2.stats.two_level_bootstrap`); where runs drew
   memory modes, also what the tips add like for like over each run (`rollout/memory_gain (run)`: in every group
   of one instance, iteration and weights holding both, the score with tips minus tip-free, averaged over those
   groups; `rollout/memory_gain_groups (run)`: how many) and, for p = 1, `rollout/first_visit_gain` (later visits
   with tips minus the same instance's tip-free first visit);
-- `runs.csv`: every run's own values (group, seed, run, each metric), so every interval can be recomputed;
+- `runs.csv`: every run's own values (group, seed, run, each metric), and `instances.csv` each instance's where
+  the runs logged them, so every interval can be recomputed;
 - for each validation metric, its value before training (`<metric> (before)`, from runs with
   `trainer.val_before_train`), so a table shows where every group started;
 - with a baseline group (`--baseline grpo`): `paired.md` and `paired.csv`, every other group's final metrics
   minus the baseline's, paired by seed (the runs of one seed share their instances and validation draws, so
-  the paired interval, a t-interval over the per-seed differences, is usually narrower than the two groups'
-  intervals suggest);
+  the paired interval, over the per-seed differences (per instance where logged, as above), is usually narrower
+  than the two groups' intervals suggest);
 - `curve_<metric>.png`: per group the mean learning curve over runs with a ±1 std band;
 - for every Optuna study in the experiment (its parent run is tagged `empo2.role=study`):
   `importance_<study>.png` (parameter importances) and `trials_<study>.csv` (every trial).
@@ -35,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from empo2.config import ConfigError
-from empo2.stats import T_SEEDS, t_interval
+from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 
 # scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
 # EMPO² with GRPO like for like
@@ -69,6 +72,23 @@ def paired_difference(group: dict[str, float], baseline: dict[str, float]) -> tu
         return math.nan, math.nan, math.nan, 0
     mean, low, high = t_interval(diffs)
     return mean, low, high, len(diffs)
+
+
+def paired_instances(group: dict[str, dict[str, float]], baseline: dict[str, dict[str, float]]
+                     ) -> tuple[float, float, float, int]:
+    """(mean, ci95 low, ci95 high, pairs) of group − baseline where each run logged its instances' values:
+    group, baseline: {seed: {instance: final value}}; per seed, the differences on the instances both runs
+    have, then the two-level bootstrap over seeds and those instances."""
+    seeds = sorted(set(group) & set(baseline))
+    units = [[group[s][i] - baseline[s][i] for i in sorted(set(group[s]) & set(baseline[s]))] for s in seeds]
+    mean, low, high = two_level_bootstrap([u for u in units if u])
+    return mean, low, high, len(seeds)
+
+
+def _instances(final: dict[str, float], metric: str) -> dict[str, float]:
+    """{instance: value} of a run's per-instance values of `metric` (logged as `<metric>/<instance>`)."""
+    head = metric + "/"
+    return {k[len(head):]: v for k, v in final.items() if k.startswith(head)}
 
 
 def _seed(run) -> str | None:
@@ -105,14 +125,16 @@ def _slug(text: str) -> str:
 SUMMARY = ("mean", "std", "ci95_low", "ci95_high")
 
 
-def _summarize(values: list[float]) -> tuple[float, float, float, float]:
-    """Mean, sample std (ddof=1) and the 95% t-interval of the mean over runs (seeds); the std and interval
-    of a single run are NaN, not 0: one seed shows no spread."""
+def _summarize(values: list[float], units: list[list[float]] | None = None
+               ) -> tuple[tuple[float, float, float, float], str]:
+    """(mean, sample std (ddof=1), and the 95% interval of the mean over runs), and the interval's method: the
+    t-interval over runs (seeds), or with `units` (per run, its instances' values) the two-level bootstrap. The std
+    and interval of a single run are NaN, not 0: one seed shows no spread."""
     arr = np.asarray(values, dtype=float)
     if len(arr) < 2:
-        return float(arr.mean()), math.nan, math.nan, math.nan
-    mean, low, high = t_interval(arr)
-    return mean, float(arr.std(ddof=1)), low, high
+        return (float(arr.mean()), math.nan, math.nan, math.nan), T_SEEDS
+    _, low, high = two_level_bootstrap(units) if units else t_interval(arr)
+    return (float(arr.mean()), float(arr.std(ddof=1)), low, high), TWO_LEVEL if units else T_SEEDS
 
 
 def _fmt(mean: float, std: float, low: float, high: float) -> str:
@@ -191,10 +213,12 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     derived = before + gains
     rows = []
     for name in sorted(groups, key=_group_order):
-        row = {"group": name, "runs": len(groups[name])}
+        row = {"group": name, "runs": len(groups[name]), "methods": {}}
         for m in metrics + derived:
-            values = [finals[r.info.run_id][m] for r in groups[name] if m in finals[r.info.run_id]]
-            row[m] = _summarize(values) if values else (math.nan,) * len(SUMMARY)
+            have = [finals[r.info.run_id] for r in groups[name] if m in finals[r.info.run_id]]
+            units = [[v for _, v in sorted(_instances(f, m).items())] for f in have]
+            row[m], row["methods"][m] = _summarize([f[m] for f in have], units if all(units) else None) \
+                if have else ((math.nan,) * len(SUMMARY), T_SEEDS)
         rows.append(row)
     table_md, table_csv = out / "compare.md", out / "compare.csv"
     _write_tables(rows, metrics + derived, group_by, experiment, table_md, table_csv)
@@ -204,8 +228,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
         base = {m: _by_seed(groups[baseline], finals, m, baseline) for m in metrics + derived}
         for name in sorted(groups, key=_group_order):
             if name != baseline:
-                paired.append({"group": name, **{m: paired_difference(_by_seed(groups[name], finals, m, name),
-                                                                      base[m]) for m in metrics + derived}})
+                paired.append(_paired_row(name, groups[name], groups[baseline], finals, metrics + derived, base))
         _write_paired(paired, metrics + derived, group_by, baseline, experiment, out / "paired.md", out / "paired.csv")
     curves = [_plot_curve(client, groups, m, out / f"curve_{_slug(m)}.png", x) for m in metrics]
     sweep_files = []
@@ -216,9 +239,35 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
             "sweep": [str(p) for p in sweep_files], "out": str(out)}
 
 
+def _paired_row(name: str, runs: list, base_runs: list, finals: dict, metrics: list[str], base: dict) -> dict:
+    """One group's differences from the baseline, per metric, with each interval's method: the two-level bootstrap
+    where every paired run of both logged its instances' values, else the t-interval over the per-seed ones."""
+    row = {"group": name, "methods": {}}
+    for m in metrics:
+        values = _by_seed(runs, finals, m, name)
+        units = {_seed(r): _instances(finals[r.info.run_id], m) for r in runs if _seed(r) in values}
+        base_units = {_seed(r): _instances(finals[r.info.run_id], m) for r in base_runs if _seed(r) in base[m]}
+        shared = set(values) & set(base[m])
+        if len(shared) >= 2 and all(set(units[s]) & set(base_units[s]) for s in shared):
+            row[m], row["methods"][m] = paired_instances(units, base_units), TWO_LEVEL
+        else:
+            row[m], row["methods"][m] = paired_difference(values, base[m]), T_SEEDS
+    return row
+
+
+def _methods_line(rows: list[dict], metrics: list[str]) -> str:
+    """Which interval method each metric's intervals used, e.g. `Intervals: t over seeds (a, b); ...`."""
+    used: dict[str, list[str]] = defaultdict(list)
+    for m in metrics:
+        for method in sorted({row["methods"][m] for row in rows}):
+            used[method].append(m)
+    return "Intervals: " + "; ".join(f"{method} ({', '.join(ms)})" for method, ms in used.items())
+
+
 def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experiment: str, md: Path, csv_path: Path):
     head = [group_by, "runs", *metrics]
-    lines = [f"# {experiment}: final metrics, mean ± std over runs [95% interval of the mean: {T_SEEDS}]", "",
+    lines = [f"# {experiment}: final metrics, mean ± std over runs [95% interval of the mean]", "",
+             _methods_line(rows, metrics), "",
              "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for row in rows:
@@ -226,22 +275,33 @@ def _write_tables(rows: list[dict], metrics: list[str], group_by: str, experimen
     md.write_text("\n".join(lines) + "\n")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([group_by, "runs", "ci_method"] + [f"{m} {s}" for m in metrics for s in SUMMARY])
+        w.writerow([group_by, "runs"] + [f"{m} {s}" for m in metrics for s in (*SUMMARY, "ci_method")])
         for row in rows:
-            w.writerow([row["group"], row["runs"], T_SEEDS] + [repr(v) for m in metrics for v in row[m]])
+            w.writerow([row["group"], row["runs"]] + [v for m in metrics for v in (*map(repr, row[m]),
+                                                                                   row["methods"][m])])
 
 
 def _write_runs(groups: dict[str, list], finals: dict, metrics: list[str], group_by: str, path: Path) -> None:
     """One row per run: its group, seed, name and id, and its own value of every metric (empty where it has none),
-    the values every interval of the report is computed from."""
+    the values every interval of the report is computed from; and where runs logged their instances' values,
+    `instances.csv`, one row per run, metric and instance."""
+    ordered = [(name, r) for name in sorted(groups, key=_group_order)
+               for r in sorted(groups[name], key=lambda r: (_group_order(str(_seed(r))), r.info.run_name or ""))]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([group_by, "seed", "run_name", "run_id", *metrics])
-        for name in sorted(groups, key=_group_order):
-            for r in sorted(groups[name], key=lambda r: (_group_order(str(_seed(r))), r.info.run_name or "")):
-                values = finals[r.info.run_id]
-                w.writerow([name, _seed(r), r.info.run_name, r.info.run_id]
-                           + [repr(values[m]) if m in values else "" for m in metrics])
+        for name, r in ordered:
+            values = finals[r.info.run_id]
+            w.writerow([name, _seed(r), r.info.run_name, r.info.run_id]
+                       + [repr(values[m]) if m in values else "" for m in metrics])
+    per_instance = [[name, _seed(r), r.info.run_name, m, inst, repr(v)] for name, r in ordered for m in metrics
+                    for inst, v in sorted(_instances(finals[r.info.run_id], m).items())]
+    path.with_name("instances.csv").unlink(missing_ok=True)  # never one of an earlier comparison
+    if per_instance:
+        with open(path.with_name("instances.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow([group_by, "seed", "run_name", "metric", "instance", "value"])
+            w.writerows(per_instance)
 
 
 def _write_paired(rows: list[dict], metrics: list[str], group_by: str, baseline: str, experiment: str, md: Path,
@@ -250,17 +310,17 @@ def _write_paired(rows: list[dict], metrics: list[str], group_by: str, baseline:
         mean, low, high = (round(v, 9) + 0.0 for v in (mean, low, high))  # a difference of equal floats reads +0
         return "—" if n == 0 else f"{mean:+.4g} (1 pair)" if n == 1 else f"{mean:+.4g} [{low:+.4g}, {high:+.4g}] ({n})"
 
-    lines = [f"# {experiment}: final metrics minus {baseline}'s, paired by seed: mean difference [95% interval: "
-             f"{T_SEEDS}, of the per-seed differences] (pairs)", "", "| " + " | ".join([group_by, *metrics]) + " |",
+    lines = [f"# {experiment}: final metrics minus {baseline}'s, paired by seed: mean difference [95% interval] "
+             "(pairs)", "", _methods_line(rows, metrics), "", "| " + " | ".join([group_by, *metrics]) + " |",
              "|" + "---|" * (len(metrics) + 1)]
     lines += ["| " + " | ".join([row["group"]] + [cell(*row[m]) for m in metrics]) + " |" for row in rows]
     md.write_text("\n".join(lines) + "\n")
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([group_by, "ci_method"] + [f"{m} {s}" for m in metrics for s in ("diff", "ci95_low", "ci95_high",
-                                                                                     "pairs")])
+        w.writerow([group_by] + [f"{m} {s}" for m in metrics for s in ("diff", "ci95_low", "ci95_high", "pairs",
+                                                                        "ci_method")])
         for row in rows:
-            w.writerow([row["group"], T_SEEDS] + [repr(v) for m in metrics for v in row[m]])
+            w.writerow([row["group"]] + [v for m in metrics for v in (*map(repr, row[m]), row["methods"][m])])
 
 
 def group_curve(runs: list[tuple[dict[int, float], dict[int, float] | None]]):

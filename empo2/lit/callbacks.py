@@ -184,7 +184,8 @@ class RolloutCallback(L.Callback):
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Score the fixed validation list (`val/*`), and with `trainer.val_train` the training instances
-        (`val_train/*`), without memory and, with `trainer.val_memory`, with it."""
+        (`val_train/*`), without memory and, with `trainer.val_memory`, with it; each instance's score as
+        `<prefix>/score_<mode>/<task>-<variation>` besides the mean."""
         out = {}
         with_memory = self.cfg.trainer.val_memory and self.collector.memory is not None
         modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
@@ -203,6 +204,8 @@ class RolloutCallback(L.Callback):
                     self.collector.settings.temperature = saved
                 done += len(tasks)
                 out[f"{prefix}/score_{name}"] = batch.stats["rollout/score"]
+                # and each instance's own (one episode each), for intervals that resample instances within a seed
+                out.update({f"{prefix}/score_{name}/{tr.task}-{tr.variation}": tr.score for tr in batch.trajectories})
                 out[f"{prefix}/success_{name}"] = batch.stats["rollout/success"]
                 out[f"{prefix}/episode_len_{name}"] = batch.stats["rollout/episode_len"]
         return out

@@ -3,6 +3,7 @@ training run, its eval and adapt as runs of their own (config, tags, scores, fil
 a sweep's trials, and the UI itself rendering a run. Real MLflow (sqlite), real Lightning, the tiny model."""
 
 import contextlib
+import csv
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -187,6 +189,48 @@ def test_compare_reports_where_each_group_started_and_pairs_groups_by_seed(tmp_p
     client.set_terminated(again)  # a seed run twice cannot be paired: refused, naming the group and seed
     with pytest.raises(ConfigError, match=r"group 'grpo' has two finished runs of seed 0"):
         compare("grid", uri, tmp_path / "cmp2", baseline="grpo")
+
+
+def test_compare_resamples_seeds_then_instances_where_runs_logged_each_instance(tmp_path):
+    """Validation logs each instance's score beside the mean: there the intervals are the two-level bootstrap
+    (seeds, then instances), elsewhere the t-interval over seeds, and each table says which."""
+    from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = experiment_id(client, "grid")
+    scores = {"grpo": [[10.0, 30.0, 20.0], [40.0, 20.0, 30.0], [0.0, 10.0, 50.0]],
+              "empo2": [[20.0, 30.0, 40.0], [50.0, 20.0, 50.0], [10.0, 30.0, 50.0]]}  # per seed, instances a, b, c
+    for preset, per_seed in scores.items():
+        for seed, values in enumerate(per_seed):
+            run_id = client.create_run(exp, tags={"kind": "train", "preset": preset, "seed": str(seed)}).info.run_id
+            client.log_metric(run_id, "val/score_nomem", float(np.mean(values)), step=9)
+            client.log_metric(run_id, "rollout/score", float(seed), step=9)
+            for inst, v in zip("abc", values):
+                client.log_metric(run_id, f"val/score_nomem/find-living-thing-{inst}", v, step=9)
+            client.set_terminated(run_id)
+    out = tmp_path / "cmp"
+    result = compare("grid", uri, out, baseline="grpo", metrics=["val/score_nomem", "rollout/score"])
+    rows = {r["group"]: r for r in result["rows"]}
+    for preset, per_seed in scores.items():
+        mean, low, high = two_level_bootstrap(per_seed)
+        assert rows[preset]["val/score_nomem"] == pytest.approx((mean, np.std(np.mean(per_seed, axis=1), ddof=1),
+                                                                low, high))
+        assert rows[preset]["methods"] == {"val/score_nomem": TWO_LEVEL, "rollout/score": T_SEEDS}
+        assert rows[preset]["rollout/score"][2:] == pytest.approx(t_interval([0.0, 1.0, 2.0])[1:])
+    [paired] = result["paired"]
+    diffs = (np.array(scores["empo2"]) - np.array(scores["grpo"])).tolist()  # per seed, per instance
+    assert paired["val/score_nomem"] == pytest.approx((*two_level_bootstrap(diffs), 3))
+    assert paired["methods"]["val/score_nomem"] == TWO_LEVEL and paired["methods"]["rollout/score"] == T_SEEDS
+    for name in ("compare.md", "paired.md"):
+        assert f"Intervals: {TWO_LEVEL} (val/score_nomem); {T_SEEDS} (rollout/score)" in (out / name).read_text()
+    with open(out / "compare.csv") as f:
+        table = {r["preset"]: r for r in csv.DictReader(f)}
+    assert table["grpo"]["val/score_nomem ci_method"] == TWO_LEVEL
+    with open(out / "instances.csv") as f:
+        per_instance = list(csv.DictReader(f))
+    assert len(per_instance) == 2 * 3 * 3 and per_instance[0]["instance"] == "find-living-thing-a"
+    assert float(per_instance[0]["value"]) == scores["empo2"][0][0]  # groups in order: empo2, then grpo
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:

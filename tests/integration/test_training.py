@@ -203,6 +203,11 @@ def test_validation_on_the_training_instances_scores_the_variations_the_run_trai
     [h] = [h for h in train(cfg)["history"] if "val/score_nomem" in h]
     assert {"val_train/score_nomem", "val_train/success_nomem", "val_train/episode_len_nomem"} <= set(h)
     assert 0.0 <= h["val_train/score_nomem"] <= 100.0
+    # each instance's own score beside the mean (intervals that resample instances within a seed read them)
+    for prefix, tasks in (("val", held_out), ("val_train", seen)):
+        per_instance = {k: v for k, v in h.items() if k.startswith(f"{prefix}/score_nomem/")}
+        assert sorted(per_instance) == sorted(f"{prefix}/score_nomem/{t.task}-{t.variation}" for t in tasks)
+        assert np.mean(list(per_instance.values())) == pytest.approx(h[f"{prefix}/score_nomem"])
 
 
 def test_resume_auto_without_a_run_name_resumes_the_newest_unfinished_run_or_refuses(tmp_path):

@@ -22,7 +22,7 @@ from empo2.envs import get_catalogue
 from empo2.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.experiments import EXPERIMENTS_DIR
 from empo2.grid import plan_grid, run_grid
-from empo2.stats import T_SEEDS, t_interval
+from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 from empo2.sweep import load_sweep, run_sweep
 from empo2.train import train
 
@@ -108,10 +108,13 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
             values = [x["metrics"][m] for x in runs]
             assert float(rows[preset][f"{m} mean"]) == pytest.approx(np.mean(values), abs=1e-12)
             assert float(rows[preset][f"{m} std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-12)
-            _, low, high = t_interval(values)
+            # validation logs each instance's score beside the mean: there seeds, then instances are resampled
+            units = [[v for k, v in sorted(x["metrics"].items()) if k.startswith(f"{m}/")] for x in runs]
+            _, low, high = two_level_bootstrap(units) if all(units) else t_interval(values)
             assert (float(rows[preset][f"{m} ci95_low"]), float(rows[preset][f"{m} ci95_high"])) == \
                 pytest.approx((low, high), abs=1e-12)
-        assert rows[preset]["ci_method"] == T_SEEDS
+            assert rows[preset][f"{m} ci_method"] == (TWO_LEVEL if m == "val/score_nomem" else T_SEEDS)
+            assert all(units) == (m == "val/score_nomem")
         # what the tips add like for like over a run (read back from MLflow's histories) as the run's own
         # closing report takes it from its summary
         gains = [run_memory_gain(x["history"]) for x in runs]
@@ -122,7 +125,9 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
             assert cell in ("", "nan")
     assert any(float(rows[p]["rollout/return std"]) > 0 for p in GRID_PRESETS), "seeds should differ"
     table = (out / "compare.md").read_text()
-    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS) and f"95% interval of the mean: {T_SEEDS}" in table
+    assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS)
+    assert f"Intervals: {T_SEEDS} (rollout/return, intrinsic/mean_reward, memory/size); {TWO_LEVEL} (val/score_nomem)" \
+        in table
     # every run's own values beside the table, from which each interval is recomputed
     with open(out / "runs.csv") as f:
         per_run = list(csv.DictReader(f))
@@ -151,10 +156,15 @@ def test_compare_pairs_each_preset_with_the_baseline_seed_by_seed(grid):
         diffs = [summaries["empo2_official_minisci"][s]["metrics"][m] - summaries["grpo_minisci"][s]["metrics"][m]
                  for s in (0, 1)]
         mean, low, high = t_interval(diffs)
+        if m == "val/score_nomem":  # per seed, the per-instance differences
+            per_instance = [[v - summaries["grpo_minisci"][s]["metrics"][k] for k, v in
+                             sorted(summaries["empo2_official_minisci"][s]["metrics"].items()) if k.startswith(f"{m}/")]
+                            for s in (0, 1)]
+            mean, low, high = two_level_bootstrap(per_instance)
         row = rows["empo2_official_minisci"]
         assert [float(row[f"{m} {k}"]) for k in ("diff", "ci95_low", "ci95_high", "pairs")] == \
             pytest.approx([mean, low, high, 2], abs=1e-9)
-    assert rows["empo2_official_minisci"]["ci_method"] == T_SEEDS
+    assert row["val/score_nomem ci_method"] == TWO_LEVEL and row["rollout/return ci_method"] == T_SEEDS
     bad = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
                 "--baseline", "grpo")
     assert bad.returncode != 0 and "--baseline 'grpo' is not a group" in bad.stderr and "grpo_minisci" in bad.stderr
