@@ -73,9 +73,15 @@ class EnvConfig:
     val_split: str = opt("test", "Variation split of the fixed validation list.", choices=("train", "dev", "test"))
     val_variations: int = opt(4, "Variations per task in the fixed validation list (the first ones of "
                               "`val_split`, so validation never drifts between runs).", gt=0)
+    val_repeats: int = opt(1, "Episodes played on each validation instance; val/* averages them (released code: 4, "
+                           "20 test variations x 4 = 80 episodes). More repeats lower the sampling noise of a "
+                           "validation score, at proportionally more validation time.", gt=0)
     max_steps: int | None = opt(None, "Episode step budget; null uses the environment's per-task table "
                                 "(ScienceWorld power-component 30, as in the released code).", gt=0, nullable=True)
     simplification: str = opt("easy", "ScienceWorld simplification preset (the released code uses `easy`).")
+    clamp_score: bool = opt(True, "ScienceWorld: clamp the score at 0, so a wrong `focus on` (simulator score -100) "
+                            "ends the episode at 0 like any failure. False keeps -100 (released code): failing that "
+                            "way then costs more than not trying, which can teach the policy to avoid `focus on`.")
     action_correction: bool = opt(True, "Replace an invalid action by the valid action with the highest word "
                                   "Jaccard overlap (released code). Off: invalid actions cost a step and do nothing.")
     reward_scale: float = opt(1.0, "Extrinsic reward = change of score (0-100) times this. 1 keeps score points, as "
@@ -115,10 +121,26 @@ class AlgoConfig:
                          "token is below delta (released code's variant).", choices=("token", "sequence"))
     mask_scope: str = opt("offpolicy", "Apply the low-probability mask to off-policy samples only (paper) or "
                           "to `all` samples.", choices=("offpolicy", "all"))
+    mask_logprobs: str = opt("learner", "Which log-probs the low-probability mask reads: the `learner`'s, scored on "
+                             "the training prompt (tip-free for off-policy samples; paper) or the `behaviour` "
+                             "(old) log-probs, scored on the prompt the action was sampled from before the update "
+                             "(released code, with mask_mode=sequence, mask_scope=all and delta=exp(-5)). Behaviour "
+                             "log-probs are fixed for the iteration, so the mask does not move as the policy learns "
+                             "within it.", choices=("learner", "behaviour"))
     beta_start: float = opt(0.8, "Weight of the intrinsic novelty reward at the start of training.", ge=0)
     beta_end: float = opt(0.2, "Weight of the intrinsic reward at the end (linear schedule).", ge=0)
     beta_schedule: str = opt("linear", "`linear` from beta_start to beta_end over training, or `constant` "
                              "(beta_start).", choices=("linear", "constant"))
+    intrinsic: str = opt("novelty", "Intrinsic reward r_int: `novelty` 1/n(s) with n(s) the visits of the state the "
+                         "step led to (paper), or `retrieval` 1/(count+1) with count the tips retrieved for the "
+                         "step's prompt, on memory-mode steps only (0 elsewhere; released code). `retrieval` pays for "
+                         "reaching states the memory knows little about, only where tips are on.",
+                         choices=("novelty", "retrieval"))
+    intrinsic_in_advantage: bool = opt(True, "Add beta * sum_t r_int to the returns the advantages are computed from. "
+                                       "False computes and logs r_int (intrinsic/*) but trains on the extrinsic "
+                                       "return alone: the released code adds it to token_level_rewards while its "
+                                       "advantage reads token_level_scores, so it never reaches training. Only for "
+                                       "reproducing that code; the paper's method needs True.")
     normalize_std: bool = opt(True, "Divide group advantages by the group std (GRPO). False: mean-centred "
                               "only (Dr.GRPO), less variance amplification on near-constant groups.")
     adv_eps: float = opt(1e-6, "Added to the group std before dividing.", gt=0)
@@ -402,6 +424,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if changed:
             raise ConfigError(f"env.{changed[0]}={house[changed[0]]} is not allowed: it sets the MiniSci house, "
                               f"and env.name={cfg.env.name}")
+    if not cfg.env.clamp_score and cfg.env.name != "scienceworld":
+        raise ConfigError(f"env.clamp_score=False is not allowed with env.name={cfg.env.name}: only ScienceWorld has "
+                          "negative scores")
     if cfg.logger.name == "mlflow" and not cfg.logger.experiment.strip():
         raise ConfigError(f"logger.experiment={cfg.logger.experiment!r} is not allowed: MLflow needs an experiment "
                           "name (or logger=none)")

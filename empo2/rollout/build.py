@@ -18,7 +18,8 @@ def env_kwargs(cfg: TrainConfig) -> dict:
     if cfg.env.max_steps is not None:
         kw["max_steps"] = cfg.env.max_steps
     if cfg.env.name == "scienceworld":
-        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
+        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s,
+                  clamp_score=cfg.env.clamp_score)
     if cfg.env.name == "minisci":
         kw.update({f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
     if cfg.env.name == "textworld":
@@ -29,13 +30,15 @@ def env_kwargs(cfg: TrainConfig) -> dict:
 def validation_tasks(cfg: TrainConfig, on_train: bool = False) -> list[TaskSpec]:
     """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
     two runs (and two iterations of one run) are always scored on the same instances. With `on_train`, the
-    first ones of the variations the run trains on (`train_split`, within `train_variations`)."""
+    first ones of the variations the run trains on (`train_split`, within `train_variations`). Each held-out
+    instance appears `val_repeats` times in a row."""
     cat = get_catalogue(cfg.env.name)
     tasks = cfg.env.tasks or cat.tasks()
     split, n = cfg.env.val_split, cfg.env.val_variations
     if on_train:
         split, n = cfg.env.train_split, min(n, cfg.env.train_variations or n)
-    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n]]
+    repeats = 1 if on_train else cfg.env.val_repeats  # each instance played that many times (released code: 4)
+    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n] for _ in range(repeats)]
 
 
 def episode_step_bound(cfg: TrainConfig, env) -> int:
@@ -80,6 +83,7 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
     a, r = cfg.algo, cfg.rollout
     settings = CollectorSettings(
         p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
+        intrinsic=a.intrinsic, intrinsic_in_advantage=a.intrinsic_in_advantage,
         adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
         max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,

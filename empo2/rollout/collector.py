@@ -61,6 +61,8 @@ class CollectorSettings:
     q: float = 0.68
     mode_granularity: str = "episode"
     beta: float = 0.0  # the value for this iteration (the schedule is evaluated by the caller)
+    intrinsic: str = "novelty"  # r_int: "novelty" 1/n(s), or "retrieval" 1/(count+1) on memory-mode steps
+    intrinsic_in_advantage: bool = True  # False: r_int is logged but the advantages read the extrinsic return
     normalize_std: bool = True
     adv_eps: float = 1e-6
     temperature: float = 1.0
@@ -185,7 +187,10 @@ class RolloutCollector:
                 obs[i] = res.obs
                 if not res.done:
                     still_live.append(i)
-            if not evaluate:  # visit counts n(s) of the states this step led to; 1/n(s) is taken below
+            if not evaluate and s.intrinsic == "retrieval":  # tips retrieved per step; 1/(count+1) is taken below
+                for i in live:
+                    trajs[i].intrinsic.append(len(tips.get(i, [])))
+            elif not evaluate:  # visit counts n(s) of the states this step led to; 1/n(s) is taken below
                 for i, n in zip(live, self.novelty.visit_step([envs[i].state_key() for i in live])):
                     trajs[i].intrinsic.append(n)
             live = still_live
@@ -201,7 +206,7 @@ class RolloutCollector:
                 tips_added = len(self.memory.add(*new_tips))
             timing["memory"] += time.perf_counter() - t0
 
-        self._assign_advantages(trajs, evaluate)
+        self._assign_advantages(trajs, evaluate, memory_mode)
         if has_memory and not evaluate:
             for traj in trajs:
                 if traj.tips_used:
@@ -262,18 +267,22 @@ class RolloutCollector:
         timing["memory"] += time.perf_counter() - t0
         return texts, vectors, metas
 
-    def _assign_advantages(self, trajs: list[Trajectory], evaluate: bool) -> None:
+    def _assign_advantages(self, trajs: list[Trajectory], evaluate: bool, memory_mode: torch.Tensor) -> None:
         s = self.settings
         ext = torch.tensor([tr.ext_return for tr in trajs], dtype=torch.float64)  # (R,)
         if evaluate:
             rets = ext
         else:
             counts = [torch.tensor(tr.intrinsic, dtype=torch.float64) for tr in trajs]
-            bonuses = [core_algos.count_bonus(c) if len(c) else c for c in counts]  # r_int(s) = 1/n(s)
+            if s.intrinsic == "retrieval":  # r_int = 1/(retrieved + 1) on memory-mode steps, 0 elsewhere
+                bonuses = [core_algos.retrieval_bonus(c, memory_mode[i, :len(c)]) for i, c in enumerate(counts)]
+            else:
+                bonuses = [core_algos.count_bonus(c) if len(c) else c for c in counts]  # r_int(s) = 1/n(s)
             for tr, b in zip(trajs, bonuses):
                 tr.intrinsic = b.tolist()
             intrinsic_sums = torch.stack([b.sum() for b in bonuses])  # (R,)
-            rets = core_algos.mix_returns(ext, intrinsic_sums, s.beta)
+            # the released code's bonus lands in token_level_rewards, which its advantage never reads
+            rets = core_algos.mix_returns(ext, intrinsic_sums, s.beta) if s.intrinsic_in_advantage else ext
         group_ids = torch.tensor([tr.group_id for tr in trajs], dtype=torch.long)
         adv = core_algos.group_advantages(rets, group_ids, s.normalize_std, s.adv_eps)  # (R,)
         for tr, r, a in zip(trajs, rets.tolist(), adv.tolist()):

@@ -135,6 +135,27 @@ def test_intrinsic_reward_reaches_the_advantages(policy, embedder):
     assert b0.stats["rollout/intrinsic_return"] == 0.0
 
 
+def test_retrieval_bonus_is_one_over_retrieved_plus_one_and_can_stay_out_of_the_advantages(policy, embedder):
+    """algo.intrinsic=retrieval (released code): r_int = 1/(count+1) on memory-mode steps, 0 elsewhere; with
+    intrinsic_in_advantage=False it is logged but the returns (hence advantages) are the extrinsic ones."""
+    for in_adv in (True, False):
+        c = make_collector(policy, embedder, p=0.5, min_sim=-1.0, top_k=1, write_tips=False, beta=5.0,
+                           intrinsic="retrieval", intrinsic_in_advantage=in_adv, mode_granularity="episode")
+        fill_memory(c)  # one tip per instance: a memory-mode step retrieves exactly 1 tip, r_int = 1/2
+        batch = collect(c, seed=5)
+        memory = [tr for tr in batch.trajectories if tr.samples[0].memory]
+        plain = [tr for tr in batch.trajectories if not tr.samples[0].memory]
+        assert memory and plain, "seed 5 gave no mix of modes; pick another"
+        assert all(tr.intrinsic == [0.5] * tr.length for tr in memory)
+        assert all(tr.intrinsic == [0.0] * tr.length for tr in plain)
+        rets = np.array([tr.ret for tr in batch.trajectories])
+        ext = np.array([tr.ext_return for tr in batch.trajectories])
+        bonus = np.array([sum(tr.intrinsic) for tr in batch.trajectories])
+        np.testing.assert_allclose(rets, ext + 5.0 * bonus if in_adv else ext)
+        assert batch.stats["intrinsic/mean_reward"] > 0
+        assert len(c.novelty) == 0  # no visit is counted for a bonus that does not use them
+
+
 def test_fixed_seed_reproduces_the_batch(policy, embedder):
     a = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=7)
     b = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=7)

@@ -163,6 +163,19 @@ def test_count_bonus_and_mix_returns_by_hand():
         ca.mix_returns(torch.zeros(2), torch.zeros(2), beta=-0.1)
 
 
+def test_retrieval_bonus_by_hand():
+    # released code: 1/(count+1) on memory-mode steps (count 0 -> 1), 0 where tips were off
+    retrieved = torch.tensor([0, 1, 9, 3, 10])
+    mode = torch.tensor([True, True, True, False, True])
+    torch.testing.assert_close(ca.retrieval_bonus(retrieved, mode),
+                               torch.tensor([1.0, 0.5, 0.1, 0.0, 1 / 11], dtype=torch.float64))
+    assert ca.retrieval_bonus(torch.tensor([-1]), torch.tensor([False])).tolist() == [0.0]  # ignored off-memory
+    with pytest.raises(ValueError, match=">= 0"):
+        ca.retrieval_bonus(torch.tensor([-1]), torch.tensor([True]))
+    with pytest.raises(ValueError, match="shape"):
+        ca.retrieval_bonus(torch.tensor([1, 2]), torch.tensor([True]))
+
+
 def test_intrinsic_reward_reaches_the_advantage():
     ext = torch.tensor([1.0, 1.0, 1.0, 1.0])  # one group, all successes: no extrinsic signal
     ids = torch.zeros(4, dtype=torch.long)
