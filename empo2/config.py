@@ -179,6 +179,12 @@ class RolloutConfig:
                                              "(oldest turns are cut beyond it); null uses max_prompt_tokens. Larger "
                                              "lets the tip summarise long episodes, at one longer prompt per episode.",
                                              gt=0, nullable=True)
+    prompt_template: str = opt("project", "Prompt wording. `project`: a system prompt, the task as its own user turn, "
+                               "tips as one `<tip>` line each under a header, the project's tip request. `released` "
+                               "(released code): no system prompt, the task text after the first observation, an "
+                               "exploration instruction closing every action prompt, one `<tip>` block per turn, its "
+                               "own tip request, and the raw model output as each past action. The released wording "
+                               "adds ~60 tokens per prompt.", choices=("project", "released"))
     tips_in_history: bool = opt(False, "Keep each step's tip block in its user turn when the turn becomes history "
                                 "(released code), so later prompts and the tip request carry every tip the "
                                 "episode saw; off-policy samples drop all of them. False (paper): only the "
@@ -210,6 +216,12 @@ class MemoryConfig:
     utility_weight: float = opt(0.0, "Blend of a tip's utility (mean extrinsic return of episodes that carried it, "
                                 "in env.reward_scale units) into its retrieval score (cosine, <= 1); 0 ranks by "
                                 "similarity only. With score points, 0.005 lets a 100-point tip gain 0.5.", ge=0)
+    tip_format: str = opt("line", "What the policy's tip becomes: `line`, one sanitised line of at most max_tip_words "
+                          "words (entries `...; final score R/100`), or `raw`, its output as written, any length and "
+                          "lines (released code; entries `...; Eventually you got the score R/100.`). Raw tips are "
+                          "safe inside prompts (contents never become special tokens, tip spans are cut by position) "
+                          "but can be long or degenerate; `raw` needs rollout.prompt_template=released.",
+                          choices=("line", "raw"))
     per_step_entries: bool = opt(False, "Store one entry per step (tip + action + final score, released code) "
                                  "instead of one per episode.")
     step_entry_key: str = opt("step", "Key of per-step entries: the embedding of their own step's state (`step`: "
@@ -424,6 +436,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if changed:
             raise ConfigError(f"env.{changed[0]}={house[changed[0]]} is not allowed: it sets the MiniSci house, "
                               f"and env.name={cfg.env.name}")
+    if cfg.memory.tip_format == "raw" and cfg.rollout.prompt_template != "released":
+        raise ConfigError(f"memory.tip_format=raw is not allowed with rollout.prompt_template="
+                          f"{cfg.rollout.prompt_template}: that template puts each tip on one line of its own")
     if not cfg.env.clamp_score and cfg.env.name != "scienceworld":
         raise ConfigError(f"env.clamp_score=False is not allowed with env.name={cfg.env.name}: only ScienceWorld has "
                           "negative scores")

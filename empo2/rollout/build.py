@@ -71,7 +71,8 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
     engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
     builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
-                            max_request_tokens=cfg.rollout.max_tip_request_tokens)
+                            max_request_tokens=cfg.rollout.max_tip_request_tokens,
+                            template=cfg.rollout.prompt_template)
     envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
     memory = embedder = None
     if cfg.memory.enabled:
@@ -88,7 +89,7 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
         max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
         tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
-        step_entry_key=cfg.memory.step_entry_key,
+        step_entry_key=cfg.memory.step_entry_key, tip_format=cfg.memory.tip_format,
         key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
         record_logprobs=generation_logprobs_exact(cfg))
     specials = list(getattr(tokenizer, "all_special_tokens", []))

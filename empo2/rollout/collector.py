@@ -25,6 +25,17 @@ from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import RolloutBatch, StepSample, Trajectory
 
 
+def released_chat_text(task: str, history: list[tuple[str, str]], observation: str) -> str:
+    """The released chat as its memory keys read it (`gather_chats` of microsoft/agent-lightning 0b40cb72,
+    contrib/agentlightning/contrib/agent/empo2_agent.py:46-59, over the tip-free chat): "role: content" per message,
+    joined by spaces, the task text after the first observation."""
+    observations = [o for o, _ in history] + [observation]
+    observations[0] += "\n" + task
+    parts = [f"user: {o}" + (f" assistant: {a}" if t < len(history) else "")
+             for t, (o, a) in enumerate(zip(observations, [a for _, a in history] + [""]))]
+    return " ".join(parts)
+
+
 class NoveltyCounter:
     """Visit counts n(s) keyed by `env.state_key()`; they persist across iterations (and checkpoints),
     so a state stays familiar once the agent has seen it, which is what makes 1/n(s) an exploration
@@ -76,6 +87,7 @@ class CollectorSettings:
     tip_temperature: float = 1.0
     per_step_entries: bool = False
     step_entry_key: str = "step"  # per-step entries keyed by their own step's state, or "final": the episode's last
+    tip_format: str = "line"  # the tip as one sanitised line, or "raw": the policy's output as written (released code)
     key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
     tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     write_tips: bool = True
@@ -182,7 +194,9 @@ class RolloutCollector:
                 traj.invalid_actions += int(bool(res.info.get("invalid_action", False)))
                 if res.info.get("env_error"):
                     traj.env_error = str(res.info["env_error"])
-                histories[i].append((obs[i], res.info.get("parsed_action") or gen.text))
+                # the released chat shows the raw output as the past action (its `record_original_action`)
+                raw_action = self.builder.template == "released"
+                histories[i].append((obs[i], gen.text if raw_action else res.info.get("parsed_action") or gen.text))
                 turn_tips[i].append(step_tips[i])
                 obs[i] = res.obs
                 if not res.done:
@@ -219,6 +233,8 @@ class RolloutCollector:
     def _key_text(self, env: TextEnv, history: list[tuple[str, str]], observation: str) -> str:
         """What retrieval compares (`key_text`): the task and the current observation, or the whole chat so
         far (the released code embeds the step's chat-history text)."""
+        if self.settings.key_text == "history" and self.builder.template == "released":
+            return released_chat_text(env.task_description, history, observation)
         if self.settings.key_text == "history":
             turns = "".join(f"{o}\n> {a}\n" for o, a in history)
             return f"{env.task_description}\n{turns}{observation}"
@@ -247,14 +263,15 @@ class RolloutCollector:
         t0 = time.perf_counter()
         texts, keys, metas = [], [], []
         for i, (traj, gen) in enumerate(zip(trajs, gens)):
-            tip = sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
+            tip = gen.text if s.tip_format == "raw" else sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
             traj.tip = tip
             if tip is None:
                 continue
             meta = {"task": traj.task, "variation": traj.variation, "episode_return": traj.ext_return,
                     "iteration": iteration, "source_rank": self.rank}
             actions = [a for _, a in histories[i]]
-            entry_texts, entry_metas = episode_entries(tip, meta, s.per_step_entries, actions, traj.score)
+            entry_texts, entry_metas = episode_entries(tip, meta, s.per_step_entries, actions, traj.score,
+                                                       released=s.tip_format == "raw")
             final_key = self._key_text(envs[i], histories[i], obs[i])
             if s.per_step_entries and s.step_entry_key == "step":  # the state each step acted in
                 keys += [self._key_text(envs[i], histories[i][:m["step"]], histories[i][m["step"]][0])

@@ -26,12 +26,12 @@ def embedder():
     return Embedder()
 
 
-def make_collector(policy, embedder, **overrides):
+def make_collector(policy, embedder, template="project", **overrides):
     model, tok = policy
     settings = CollectorSettings(max_new_tokens=6, max_episode_steps=4, tip_max_new_tokens=16, **overrides)
     memory = TipMemory(embedder.dim, min_sim=settings.min_sim)
     envs = [make_env("minisci", max_steps=4) for _ in range(len(TASKS) * N)]
-    return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512), envs, memory,
+    return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512, template=template), envs, memory,
                             embedder, settings, special_tokens=tok.all_special_tokens)
 
 
@@ -154,6 +154,27 @@ def test_retrieval_bonus_is_one_over_retrieved_plus_one_and_can_stay_out_of_the_
         np.testing.assert_allclose(rets, ext + 5.0 * bonus if in_adv else ext)
         assert batch.stats["intrinsic/mean_reward"] > 0
         assert len(c.novelty) == 0  # no visit is counted for a bonus that does not use them
+
+
+def test_released_wording_stores_raw_tips_and_raw_actions_in_the_released_entry_text(policy, embedder):
+    """rollout.prompt_template=released with memory.tip_format=raw: the tip is the policy's output as written, one
+    entry per step `<tip>; At that timestep, the specific action your took was <raw output>; Eventually you got the
+    score <R>/100.`, and the chat history shows the raw outputs."""
+    c = make_collector(policy, embedder, template="released", tip_format="raw", per_step_entries=True,
+                       step_entry_key="final", key_text="history")
+    batch = collect(c)
+    records = c.memory.records()
+    assert records and batch.stats["memory/tips_added"] == len(records)
+    assert all(tr.tip is not None for tr in batch.trajectories)  # raw: nothing is rejected or cut
+    for r in records:
+        assert any(r.text == f"{tr.tip}; At that timestep, the specific action your took was {r.action}; Eventually "
+                   f"you got the score {round(float(tr.score), 1)}/100." for tr in batch.trajectories
+                   if (tr.task, tr.variation) == (r.task, r.variation))
+    _, tok = policy
+    for tr in batch.trajectories:  # the next prompt shows step 0's raw output as the past action
+        firsts = [r.action for r in records if (r.task, r.variation, r.step) == (tr.task, tr.variation, 0)]
+        if tr.length > 1 and firsts:
+            assert any(a in tok.decode(tr.samples[1].behaviour_ids) for a in firsts)
 
 
 def test_fixed_seed_reproduces_the_batch(policy, embedder):

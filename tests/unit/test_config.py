@@ -53,6 +53,8 @@ def test_every_field_is_documented():
         ("algo.mask_logprobs=old", "algo.mask_logprobs='old' is not allowed: expected one of ['learner', 'behaviour']"),
         ("env.val_repeats=0", "env.val_repeats=0 is out of range: expected (0, inf)"),
         ("env.clamp_score=false", "env.clamp_score=False is not allowed with env.name=minisci"),
+        ("memory.tip_format=raw", "memory.tip_format=raw is not allowed with rollout.prompt_template=project"),
+        ("rollout.prompt_template=verl", "rollout.prompt_template='verl' is not allowed"),
         ("algo.p=abc", "algo.p"),
         ("algo.foo=1", "algo.foo: unknown key"),
         ("+algo.foo=1", "algo.foo: unknown key"),
