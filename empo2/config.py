@@ -168,6 +168,12 @@ class RolloutConfig:
     top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
     max_new_tokens: int = opt(32, "Tokens per action (released code 32).", gt=0)
     max_prompt_tokens: int = opt(4500, "History is truncated (oldest turns first, task kept) to fit.", gt=0)
+    overlong: str = opt("truncate", "A history longer than max_prompt_tokens: `truncate` drops its oldest turns, so every "
+                        "step stays a training sample; `drop` (released code) prompts with the whole history and "
+                        "leaves out of training every step whose prompt + response exceeds max_prompt_tokens, its step "
+                        "reward leaving the episode return the advantage reads (the released trainer filters them "
+                        "before its reward lists; validation scores keep every reward). Prompts are then unbounded, "
+                        "and a success reached past the limit earns nothing.", choices=("truncate", "drop"))
     history_turns: int | None = opt(None, "Keep at most this many past observation/action turns; null keeps "
                                     "all that fit.", gt=0, nullable=True)
     tip_max_new_tokens: int = opt(160, "Token budget when the policy writes its tip (~100 words).", gt=0)

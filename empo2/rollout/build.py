@@ -4,6 +4,8 @@ self-play all collect with."""
 
 from __future__ import annotations
 
+import sys
+
 from empo2.config import MINISCI_HOUSE_FIELDS, TrainConfig
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.memory import Embedder, TipMemory
@@ -69,9 +71,10 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
     """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
     (training builds it once the strategy has opened the process group: `RolloutCallback.setup`)."""
     engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
-    builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+    drop = cfg.rollout.overlong == "drop"  # whole histories; over-long steps leave training in the collector
+    builder = PromptBuilder(tokenizer, max_prompt_tokens=sys.maxsize if drop else cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
-                            max_request_tokens=cfg.rollout.max_tip_request_tokens,
+                            max_request_tokens=cfg.rollout.max_tip_request_tokens or cfg.rollout.max_prompt_tokens,
                             template=cfg.rollout.prompt_template)
     envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
     memory = embedder = None
@@ -91,6 +94,6 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
         tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
         step_entry_key=cfg.memory.step_entry_key, tip_format=cfg.memory.tip_format,
         key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
-        record_logprobs=generation_logprobs_exact(cfg))
+        record_logprobs=generation_logprobs_exact(cfg), drop_over_tokens=r.max_prompt_tokens if drop else None)
     specials = list(getattr(tokenizer, "all_special_tokens", []))
     return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)

@@ -91,6 +91,9 @@ class CollectorSettings:
     key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
     tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     write_tips: bool = True
+    # `rollout.overlong=drop`: a training step whose prompt + response exceeds this many tokens is no sample, and its
+    # reward stays out of the return (released code); None keeps every step
+    drop_over_tokens: int | None = None
     # training steps keep generate's log-probs as their behaviour log-probs; only for an engine that samples
     # from the trainer's own weights in the trainer's precision (`empo2.rollout.build.build_collector` decides)
     record_logprobs: bool = False
@@ -181,15 +184,20 @@ class RolloutCollector:
                 traj = trajs[i]
                 tokens_generated += len(gen.token_ids)
                 offpolicy = bool(offpolicy_mode[i, t]) and prompt.has_tips
-                traj.samples.append(StepSample(
+                dropped = (not evaluate and s.drop_over_tokens is not None
+                           and len(prompt.ids) + len(gen.token_ids) > s.drop_over_tokens)
+                traj.dropped_steps += dropped
+                sample = StepSample(
                     behaviour_ids=prompt.ids,
                     train_ids=prompt.without_tips() if offpolicy else prompt.ids,
                     response_ids=gen.token_ids, memory=prompt.has_tips, offpolicy=offpolicy,
                     group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs,
-                    prefix_len=prompt.prefix_len))
+                    prefix_len=prompt.prefix_len)
+                if not dropped:
+                    traj.samples.append(sample)
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
                 res = envs[i].step(gen.text)
-                traj.ext_return += res.reward
+                traj.ext_return += 0.0 if dropped else res.reward
                 traj.score, traj.won = float(res.info.get("score", 0.0)), bool(res.info.get("won", False))
                 traj.invalid_actions += int(bool(res.info.get("invalid_action", False)))
                 if res.info.get("env_error"):
@@ -322,6 +330,7 @@ class RolloutCollector:
             "rollout/memory_frac": sum(smp.memory for smp in samples) / n_s,
             "rollout/offpolicy_frac": sum(smp.offpolicy for smp in samples) / n_s,
             "rollout/env_errors": float(sum(tr.env_error is not None for tr in trajs)),
+            "rollout/dropped_overlong": float(sum(tr.dropped_steps for tr in trajs)),
             "rollout/tokens_generated": float(tokens),
             "intrinsic/mean_reward": float(np.mean(intrinsic)) if intrinsic else 0.0,
             "intrinsic/states_seen": float(len(self.novelty)),

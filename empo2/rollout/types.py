@@ -46,6 +46,7 @@ class Trajectory:
     tips_used: set[int] = field(default_factory=set)  # memory ids that appeared in this trajectory's prompts
     env_error: str | None = None
     tip: str | None = None  # the tip the policy wrote after the episode (after sanitising), if any
+    dropped_steps: int = 0  # steps left out of training as over-long (`rollout.overlong=drop`), rewards included
 
     @property
     def length(self) -> int:

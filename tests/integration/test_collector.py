@@ -215,6 +215,43 @@ def test_a_short_scienceworld_batch_on_the_real_jvm(policy, embedder):
     assert batch.stats["intrinsic/states_seen"] >= 1
 
 
+def test_overlong_drop_leaves_steps_and_their_rewards_out_of_training(policy, embedder):
+    """rollout.overlong=drop (released code): a step whose prompt + response exceeds the limit is no sample and its
+    reward leaves the return; the episode itself (actions, score) is the same as without the limit."""
+    pytest.importorskip("scienceworld")
+    import shutil
+
+    if shutil.which("java") is None:
+        pytest.skip("java 17 is needed for ScienceWorld")
+    model, tok = policy
+    envs = [make_env("scienceworld", max_steps=3, reward_scale=1.0) for _ in range(2)]
+    batches = {}
+    try:
+        for limit in (None, 1, "mid"):
+            if limit == "mid":  # between the first prompt's length and the longest one's
+                lengths = sorted(len(smp.behaviour_ids) + len(smp.response_ids) for smp in batches[None].samples)
+                limit = lengths[len(lengths) // 2]
+            settings = CollectorSettings(max_new_tokens=6, max_episode_steps=3, drop_over_tokens=limit, p=0.0,
+                                         write_tips=False)
+            collector = RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=100_000), envs,
+                                         TipMemory(embedder.dim), embedder, settings)
+            batches[limit] = collector.collect([TaskSpec("find-living-thing", 0)], 2, 0,
+                                               torch.Generator().manual_seed(0))
+    finally:
+        for env in envs:
+            env.close()
+    full, none_kept = batches.pop(None), batches.pop(1)
+    (limit, some), = batches.items()
+    assert [tr.score for tr in none_kept.trajectories] == [tr.score for tr in full.trajectories]
+    assert sum(tr.score for tr in full.trajectories) > 0  # the task grants points: there is a reward to lose
+    assert [tr.ext_return for tr in full.trajectories] == [tr.score for tr in full.trajectories]
+    assert none_kept.samples == [] and all(tr.ext_return == 0 for tr in none_kept.trajectories)
+    assert none_kept.stats["rollout/dropped_overlong"] == len(full.samples)
+    kept = [len(smp.behaviour_ids) + len(smp.response_ids) for smp in some.samples]
+    over = [n for smp in full.samples if (n := len(smp.behaviour_ids) + len(smp.response_ids)) > limit]
+    assert kept and all(n <= limit for n in kept) and some.stats["rollout/dropped_overlong"] == len(over) > 0
+
+
 def test_identical_rollouts_get_identical_returns_and_zero_advantages(policy, embedder):
     """Greedy decoding plays the same action script in all 8 rollouts of one instance: they reach the same
     states at the same steps, so each must get the same novelty bonus whatever its index in the group."""

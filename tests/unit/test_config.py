@@ -55,6 +55,7 @@ def test_every_field_is_documented():
         ("env.clamp_score=false", "env.clamp_score=False is not allowed with env.name=minisci"),
         ("memory.tip_format=raw", "memory.tip_format=raw is not allowed with rollout.prompt_template=project"),
         ("rollout.prompt_template=verl", "rollout.prompt_template='verl' is not allowed"),
+        ("rollout.overlong=cut", "rollout.overlong='cut' is not allowed: expected one of ['truncate', 'drop']"),
         ("algo.p=abc", "algo.p"),
         ("algo.foo=1", "algo.foo: unknown key"),
         ("+algo.foo=1", "algo.foo: unknown key"),
