@@ -532,6 +532,18 @@ def test_agg_loss_modes_by_hand():
         ca.agg_loss(loss_mat, mask, "mean")
 
 
+def test_verl_token_mean_over_one_sample_micro_batches_is_seq_mean_token_mean():
+    """The released code's update (verl 0.5.0 dp_actor.py:386-388, 466-469): each micro-batch of one sample takes
+    token-mean, divided by the accumulation steps; over a mini-batch that is seq-mean-token-mean, not token-mean."""
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0, 6.0], [4.0, 0.0, 0.0, 0.0], [2.0, 8.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
+    accumulated = sum(ca.agg_loss(loss_mat[i:i + 1], mask[i:i + 1], "token-mean") / 3 for i in range(3))
+    # by hand: (12 / 4 + 4 / 1 + 10 / 2) / 3 = (3 + 4 + 5) / 3 = 4, where token-mean would give 26 / 7
+    assert accumulated.item() == pytest.approx(4.0)
+    assert ca.agg_loss(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx(4.0)
+    assert ca.agg_loss(loss_mat, mask, "token-mean").item() == pytest.approx(26 / 7)
+
+
 def test_policy_loss_registry():
     assert ca.get_policy_loss("empo2") is ca.policy_loss
     with pytest.raises(ValueError, match="unknown policy loss"):
