@@ -83,7 +83,7 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
         m = cfg.memory
         memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
                            eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
-                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed)
+                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed, raw_tips=m.tip_format == "raw")
     a, r = cfg.algo, cfg.rollout
     settings = CollectorSettings(
         p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,

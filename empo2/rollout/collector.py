@@ -272,6 +272,8 @@ class RolloutCollector:
         texts, keys, metas = [], [], []
         for i, (traj, gen) in enumerate(zip(trajs, gens)):
             tip = gen.text if s.tip_format == "raw" else sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
+            if tip == "" and not s.per_step_entries:  # a raw empty output: nothing to store (a step entry never is)
+                tip = None
             traj.tip = tip
             if tip is None:
                 continue

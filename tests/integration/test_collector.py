@@ -29,7 +29,7 @@ def embedder():
 def make_collector(policy, embedder, template="project", **overrides):
     model, tok = policy
     settings = CollectorSettings(max_new_tokens=6, max_episode_steps=4, tip_max_new_tokens=16, **overrides)
-    memory = TipMemory(embedder.dim, min_sim=settings.min_sim)
+    memory = TipMemory(embedder.dim, min_sim=settings.min_sim, raw_tips=settings.tip_format == "raw")
     envs = [make_env("minisci", max_steps=4) for _ in range(len(TASKS) * N)]
     return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512, template=template), envs, memory,
                             embedder, settings, special_tokens=tok.all_special_tokens)
