@@ -74,9 +74,15 @@ class EnvConfig:
     val_split: str = opt("test", "Variation split of the fixed validation list.", choices=("train", "dev", "test"))
     val_variations: int = opt(4, "Variations per task in the fixed validation list (the first ones of "
                               "`val_split`, so validation never drifts between runs).", gt=0)
+    val_repeats: int = opt(1, "Episodes played on each validation instance; val/* averages them (released code: 4, "
+                           "20 test variations x 4 = 80 episodes). More repeats lower the sampling noise of a "
+                           "validation score, at proportionally more validation time.", gt=0)
     max_steps: int | None = opt(None, "Episode step budget; null uses the environment's per-task table "
                                 "(ScienceWorld power-component 30, as in the released code).", gt=0, nullable=True)
     simplification: str = opt("easy", "ScienceWorld simplification preset (the released code uses `easy`).")
+    clamp_score: bool = opt(True, "ScienceWorld: clamp the score at 0, so a wrong `focus on` (simulator score -100) "
+                            "ends the episode at 0 like any failure. False keeps -100 (released code): failing that "
+                            "way then costs more than not trying, which can teach the policy to avoid `focus on`.")
     action_correction: bool = opt(True, "Replace an invalid action by the valid action with the highest word "
                                   "Jaccard overlap (released code). Off: invalid actions cost a step and do nothing.")
     reward_scale: float = opt(1.0, "Extrinsic reward = change of score (0-100) times this. 1 keeps score points, as "
@@ -116,10 +122,26 @@ class AlgoConfig:
                          "token is below delta (released code's variant).", choices=("token", "sequence"))
     mask_scope: str = opt("offpolicy", "Apply the low-probability mask to off-policy samples only (paper) or "
                           "to `all` samples.", choices=("offpolicy", "all"))
+    mask_logprobs: str = opt("learner", "Which log-probs the low-probability mask reads: the `learner`'s, scored on "
+                             "the training prompt (tip-free for off-policy samples; paper) or the `behaviour` "
+                             "(old) log-probs, scored on the prompt the action was sampled from before the update "
+                             "(released code, with mask_mode=sequence, mask_scope=all and delta=exp(-5)). Behaviour "
+                             "log-probs are fixed for the iteration, so the mask does not move as the policy learns "
+                             "within it.", choices=("learner", "behaviour"))
     beta_start: float = opt(0.8, "Weight of the intrinsic novelty reward at the start of training.", ge=0)
     beta_end: float = opt(0.2, "Weight of the intrinsic reward at the end (linear schedule).", ge=0)
     beta_schedule: str = opt("linear", "`linear` from beta_start to beta_end over training, or `constant` "
                              "(beta_start).", choices=("linear", "constant"))
+    intrinsic: str = opt("novelty", "Intrinsic reward r_int: `novelty` 1/n(s) with n(s) the visits of the state the "
+                         "step led to (paper), or `retrieval` 1/(count+1) with count the tips retrieved for the "
+                         "step's prompt, on memory-mode steps only (0 elsewhere; released code). `retrieval` pays for "
+                         "reaching states the memory knows little about, only where tips are on.",
+                         choices=("novelty", "retrieval"))
+    intrinsic_in_advantage: bool = opt(True, "Add beta * sum_t r_int to the returns the advantages are computed from. "
+                                       "False computes and logs r_int (intrinsic/*) but trains on the extrinsic "
+                                       "return alone: the released code adds it to token_level_rewards while its "
+                                       "advantage reads token_level_scores, so it never reaches training. Only for "
+                                       "reproducing that code; the paper's method needs True.")
     normalize_std: bool = opt(True, "Divide group advantages by the group std (GRPO). False: mean-centred "
                               "only (Dr.GRPO), less variance amplification on near-constant groups.")
     adv_eps: float = opt(1e-6, "Added to the group std before dividing.", gt=0)
@@ -147,6 +169,12 @@ class RolloutConfig:
     top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
     max_new_tokens: int = opt(32, "Tokens per action (released code 32).", gt=0)
     max_prompt_tokens: int = opt(4500, "History is truncated (oldest turns first, task kept) to fit.", gt=0)
+    overlong: str = opt("truncate", "A history longer than max_prompt_tokens: `truncate` drops its oldest turns, so every "
+                        "step stays a training sample; `drop` (released code) prompts with the whole history and "
+                        "leaves out of training every step whose prompt + response exceeds max_prompt_tokens, its step "
+                        "reward leaving the episode return the advantage reads (the released trainer filters them "
+                        "before its reward lists; validation scores keep every reward). Prompts are then unbounded, "
+                        "and a success reached past the limit earns nothing.", choices=("truncate", "drop"))
     history_turns: int | None = opt(None, "Keep at most this many past observation/action turns; null keeps "
                                     "all that fit.", gt=0, nullable=True)
     tip_max_new_tokens: int = opt(160, "Token budget when the policy writes its tip (~100 words).", gt=0)
@@ -158,6 +186,12 @@ class RolloutConfig:
                                              "(oldest turns are cut beyond it); null uses max_prompt_tokens. Larger "
                                              "lets the tip summarise long episodes, at one longer prompt per episode.",
                                              gt=0, nullable=True)
+    prompt_template: str = opt("project", "Prompt wording. `project`: a system prompt, the task as its own user turn, "
+                               "tips as one `<tip>` line each under a header, the project's tip request. `released` "
+                               "(released code): no system prompt, the task text after the first observation, an "
+                               "exploration instruction closing every action prompt, one `<tip>` block per turn, its "
+                               "own tip request, and the raw model output as each past action. The released wording "
+                               "adds ~60 tokens per prompt.", choices=("project", "released"))
     tips_in_history: bool = opt(False, "Keep each step's tip block in its user turn when the turn becomes history "
                                 "(released code), so later prompts and the tip request carry every tip the "
                                 "episode saw; off-policy samples drop all of them. False (paper): only the "
@@ -189,6 +223,12 @@ class MemoryConfig:
     utility_weight: float = opt(0.0, "Blend of a tip's utility (mean extrinsic return of episodes that carried it, "
                                 "in env.reward_scale units) into its retrieval score (cosine, <= 1); 0 ranks by "
                                 "similarity only. With score points, 0.005 lets a 100-point tip gain 0.5.", ge=0)
+    tip_format: str = opt("line", "What the policy's tip becomes: `line`, one sanitised line of at most max_tip_words "
+                          "words (entries `...; final score R/100`), or `raw`, its output as written, any length and "
+                          "lines (released code; entries `...; Eventually you got the score R/100.`). Raw tips are "
+                          "safe inside prompts (contents never become special tokens, tip spans are cut by position) "
+                          "but can be long or degenerate; `raw` needs rollout.prompt_template=released.",
+                          choices=("line", "raw"))
     per_step_entries: bool = opt(False, "Store one entry per step (tip + action + final score, released code) "
                                  "instead of one per episode.")
     step_entry_key: str = opt("step", "Key of per-step entries: the embedding of their own step's state (`step`: "
@@ -403,6 +443,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if changed:
             raise ConfigError(f"env.{changed[0]}={house[changed[0]]} is not allowed: it sets the MiniSci house, "
                               f"and env.name={cfg.env.name}")
+    if cfg.memory.tip_format == "raw" and cfg.rollout.prompt_template != "released":
+        raise ConfigError(f"memory.tip_format=raw is not allowed with rollout.prompt_template="
+                          f"{cfg.rollout.prompt_template}: that template puts each tip on one line of its own")
+    if not cfg.env.clamp_score and cfg.env.name != "scienceworld":
+        raise ConfigError(f"env.clamp_score=False is not allowed with env.name={cfg.env.name}: only ScienceWorld has "
+                          "negative scores")
     if cfg.logger.name == "mlflow" and not cfg.logger.experiment.strip():
         raise ConfigError(f"logger.experiment={cfg.logger.experiment!r} is not allowed: MLflow needs an experiment "
                           "name (or logger=none)")

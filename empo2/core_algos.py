@@ -11,6 +11,8 @@ How the paper's mechanisms map onto these functions:
   rollouts of the same task instance (`group_advantages`); every step of a trajectory reuses it;
 - state-novelty exploration: ``r_int(s) = 1/n(s)`` (`count_bonus`) summed over an episode and added
   to the extrinsic return with weight ``beta`` (`mix_returns`, `beta_at`), *before* the advantage;
+  the released code's variant pays ``1/(count+1)`` for the tips a memory-mode step retrieved
+  (`retrieval_bonus`);
 - hybrid rollouts / updates: memory mode with probability ``p`` and, for memory-augmented samples,
   off-policy update with probability ``q`` (`draw_memory_modes`, `draw_update_modes`);
 - off-policy stability: tokens whose probability under the tip-free target policy is below
@@ -114,6 +116,25 @@ def count_bonus(counts: torch.Tensor) -> torch.Tensor:
         torch.promote_types(counts.dtype, torch.float32) if counts.is_floating_point() else torch.float32
     )
     return 1.0 / counts.to(out_dtype).clamp(min=1.0)
+
+
+def retrieval_bonus(retrieved: torch.Tensor, memory_mode: torch.Tensor) -> torch.Tensor:
+    """The released code's intrinsic reward: ``1 / (count + 1)`` on a memory-mode step, where ``count`` is
+    the number of tips retrieved for that step's prompt (so 1 when the memory had nothing to offer), and
+    0 on a step without memory (its agent sets ``intrinsic_reward = 0.0`` when tips are off).
+
+    Args:
+        retrieved: (S,) tips retrieved per step (>= 0; any value on steps without memory).
+        memory_mode: (S,) bool, True where the step's prompt was memory-augmented.
+
+    Returns:
+        (S,) float64 bonuses.
+    """
+    _check_same_shape(retrieved=retrieved, memory_mode=memory_mode)
+    retrieved = torch.as_tensor(retrieved, dtype=torch.float64)
+    if bool((retrieved[memory_mode.bool()] < 0).any()):
+        raise ValueError("retrieved tip counts must be >= 0")
+    return torch.where(memory_mode.bool(), 1.0 / (retrieved.clamp(min=0) + 1.0), torch.zeros_like(retrieved))
 
 
 def mix_returns(ext_returns: torch.Tensor, intrinsic_sums: torch.Tensor, beta: float) -> torch.Tensor:
@@ -279,7 +300,8 @@ def empo2_loss_mask(
 
     Args:
         response_mask: (B, T) bool or 0/1 valid response tokens.
-        target_logprobs: (B, T) learner log-probs on the training prompt (tip-free when off-policy).
+        target_logprobs: (B, T) learner log-probs on the training prompt (tip-free when off-policy), or the
+            behaviour (old) log-probs for the released code's variant.
         offpolicy: (B,) bool update mode of each sample.
         delta: threshold in [0, 1); 0 disables the mask.
         mode: ``"token"`` or ``"sequence"``, see `low_prob_mask`.

@@ -77,6 +77,8 @@ class ScienceWorldTextEnv:
             highest word-level Jaccard overlap (the released code's rule); off: it is an invalid
             action that leaves the state unchanged.
         reward_scale: reward = change of the clamped 0-100 score times this.
+        clamp_score: clamp the score at 0 (default); False keeps the simulator's -100 after a wrong
+            "focus on", as the released code does, so the rewards then sum to -100 * reward_scale.
         call_timeout_s: deadline of every call into the JVM (loads get 6x); past it the JVM is
             killed and restarted and the episode ends with `info["env_error"]`.
         jar_path: simulator jar; None uses the one bundled with the package.
@@ -86,7 +88,8 @@ class ScienceWorldTextEnv:
 
     def __init__(self, simplification: str = "easy", max_steps: int | None = None,
                  action_correction: bool = True, reward_scale: float = 0.01, call_timeout_s: float = 10.0,
-                 jar_path: str | None = None, seed: int | None = None, task: str | None = None) -> None:
+                 jar_path: str | None = None, seed: int | None = None, task: str | None = None,
+                 clamp_score: bool = True) -> None:
         self.simplification = check_simplification(simplification)
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
@@ -95,6 +98,7 @@ class ScienceWorldTextEnv:
         self.max_steps = max_steps
         self.action_correction = bool(action_correction)
         self.reward_scale = float(reward_scale)
+        self.clamp_score = bool(clamp_score)
         self.call_timeout_s = float(call_timeout_s)
         self.jar_path = jar_path
         self.default_task = check_task(task) if task is not None else None
@@ -210,7 +214,7 @@ class ScienceWorldTextEnv:
         if action is not None:
             self._reset_caches()
             self._raw_score = raw
-        score = max(raw, 0)
+        score = max(raw, 0) if self.clamp_score else raw
         reward = (score - self._score) * self.reward_scale
         self._score = score
         failed = raw < 0  # a wrong "focus on": the simulator's score is -1 and nothing can fix it

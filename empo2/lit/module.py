@@ -154,8 +154,10 @@ class EMPO2Module(L.LightningModule):
         old = old.to(self.device)  # (b, T), behaviour prompt, current weights before this iteration's updates
         adv = torch.tensor([s.advantage for s in samples], device=self.device)  # (b,)
         offpolicy = torch.tensor([s.offpolicy for s in samples], device=self.device)  # (b,)
-        # off-policy tokens the tip-free (target) policy finds unlikely (p < delta) leave the loss
-        loss_mask = core_algos.empo2_loss_mask(mask, logp.detach(), offpolicy, a.delta, a.mask_mode, a.mask_scope)
+        # off-policy tokens the tip-free (target) policy finds unlikely (p < delta) leave the loss; the released
+        # code judges them on the behaviour log-probs instead (`algo.mask_logprobs`)
+        judged = old if a.mask_logprobs == "behaviour" else logp.detach()
+        loss_mask = core_algos.empo2_loss_mask(mask, judged, offpolicy, a.delta, a.mask_mode, a.mask_scope)
         norm = dict(response_mask=mask, num_tokens=micro.num_tokens, num_seqs=micro.num_seqs)
         loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high, a.dual_clip_c,
                                                a.loss_agg, **norm)

@@ -40,7 +40,7 @@ RANKINGS = ("similarity", "score")
 _RERANK_FACTOR = 4
 
 _CONFIG_KEYS = ("dim", "namespace", "capacity_per_namespace", "eviction", "min_sim", "top_k",
-                "utility_weight", "rank_by", "M", "ef_construction", "ef_search", "seed")
+                "utility_weight", "rank_by", "M", "ef_construction", "ef_search", "seed", "raw_tips")
 
 Hit = tuple[TipRecord, float]
 
@@ -56,12 +56,15 @@ class TipMemory:
     rank_by: "similarity" (the paper: the most similar tips above min_sim) or "score" (the released
         code: every tip above min_sim is a candidate and the top_k with the best episode return win).
     M, ef_construction, ef_search, seed: hnswlib parameters; ef_search is the query-time beam.
+    raw_tips: accept any non-empty text (the released code's raw tips, several lines possibly), for prompts that
+        cut tips by token position (`rollout.prompt_template=released`); False (default) accepts only sanitised
+        one-line tips, which the one-line `<tip>` format relies on.
     """
 
     def __init__(self, dim: int, namespace: str = "variation", capacity_per_namespace: int = 1000,
                  eviction: str = "oldest", min_sim: float = 0.5, top_k: int = 10,
                  utility_weight: float = 0.0, rank_by: str = "similarity", M: int = 16,
-                 ef_construction: int = 200, ef_search: int = 64, seed: int = 0) -> None:
+                 ef_construction: int = 200, ef_search: int = 64, seed: int = 0, raw_tips: bool = False) -> None:
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if namespace not in NAMESPACE_MODES:
@@ -86,11 +89,19 @@ class TipMemory:
         self.ef_construction = int(ef_construction)
         self.ef_search = int(ef_search)
         self.seed = int(seed)
+        self.raw_tips = bool(raw_tips)
         self._records: dict[int, TipRecord] = {}
         self._indexes: dict[str, NamespaceIndex] = {}
         # namespace -> text -> id, for duplicate checks.
         self._texts: dict[str, dict[str, int]] = {}
         self._next_id = 0
+
+    def _check_text(self, text: str) -> None:
+        """A stored text must be a sanitised line (`check_tip_line`), or with `raw_tips` any non-empty string."""
+        if not self.raw_tips:
+            check_tip_line(text)
+        elif not isinstance(text, str) or not text:
+            raise ValueError(f"a raw tip must be a non-empty str, got {text!r}")
 
     def config(self) -> dict[str, object]:
         """Constructor arguments, enough to build an empty memory with the same behaviour."""
@@ -141,7 +152,7 @@ class TipMemory:
         by_namespace: dict[str, list[tuple[int, dict[str, object]]]] = {}
         batch_texts: dict[str, set[str]] = {}
         for i, (text, meta) in enumerate(zip(texts, metas)):
-            check_tip_line(text)
+            self._check_text(text)
             parsed = parse_meta(meta, i)
             key = self.namespace_key(parsed["task"], parsed["variation"])  # type: ignore[arg-type]
             seen = batch_texts.setdefault(key, set())
@@ -361,8 +372,8 @@ class TipMemory:
         records = [TipRecord.from_json(r, f"{where}: record {n}") for n, r in enumerate(raw)]
         for n, record in enumerate(records):  # an edited file must not smuggle a line or tag into a prompt
             try:
-                check_tip_line(record.text)
-            except ValueError as err:
+                self._check_text(record.text)
+            except (TypeError, ValueError) as err:
                 raise ValueError(f"corrupt tip memory records in {where}: record {n}: {err}") from None
         if embeddings.ndim != 2 or embeddings.shape != (len(records), self.dim):
             raise ValueError(f"tip memory embeddings in {where} have shape {embeddings.shape}, "

@@ -151,18 +151,52 @@ def step_entry_text(tip: str, action: str, score: float) -> str:
     return f"{tip}; at that timestep the action taken was {action}; final score {score_text}/100"
 
 
+# The released code's wording (microsoft/agent-lightning 0b40cb72, contrib/recipes/envs/add_instruction.py:18-24 and
+# contrib/agentlightning/contrib/agent/empo2_agent.py:140-142, 209-220, 244-246), for `rollout.prompt_template=released`
+# and `memory.tip_format=raw`: raw tips, possibly several lines, so only the token-level spans of `PromptBuilder`
+# (never a text pattern) locate and remove them.
+RELEASED_TIP_INSTRUCTION = (
+    "Thanks for playing.\n"
+    "Now you have ended a trajectory and collect some meaningless or valuable information from the interactions "
+    "with the environment.\n"
+    "Please summarize the trajectory, and also summarize what information you get from this trajectory, and how "
+    "far this trajectory is from fully completing the task.\n"
+    "Please respond with only one sentence with only one line, do not include any extra words.\n"
+    "Your sentence should be less than 100 words."
+)
+
+
+def released_memories_text(tips: Sequence[str]) -> str:
+    """The retrieved entries as the released agent lists them: the header line, then each entry and a newline."""
+    return TIP_HEADER + "\n" + "".join(tip + "\n" for tip in tips) if tips else ""
+
+
+def released_tip_block(tips: Sequence[str]) -> str:
+    """One turn's tips in the released prompt (`add_chat_all_tips`): the memories inside one `<tip>` tag."""
+    return f"\n\n<tip> {released_memories_text(tips)}\n</tip>\n\n" if tips else ""
+
+
+def released_step_entry_text(tip: str, action: str, episode_return: float, max_score: float = 100.0) -> str:
+    """One per-step memory entry in the released wording: the raw tip, the step's raw action, the episode's
+    return rounded to 0.1 (a float, as Python prints it) out of `max_score` (100 x its reward scale)."""
+    return (f"{tip}; At that timestep, the specific action your took was {action}; Eventually you got the score "
+            f"{round(float(episode_return), 1)}/{int(max_score)}.")
+
+
 def episode_entries(
     tip: str,
     meta: Mapping[str, object],
     per_step: bool = False,
     actions: Sequence[str] = (),
     score: float | None = None,
+    released: bool = False,
 ) -> tuple[list[str], list[dict[str, object]]]:
-    """Memory entries (texts, metas) for one episode's sanitised tip.
+    """Memory entries (texts, metas) for one episode's sanitised tip (raw with `released`).
 
     Per-episode (default): one entry, the tip itself, with `meta`. Per-step: one entry per action
     `step_entry_text(tip, actions[t], score)` whose meta adds `step=t` and `action=actions[t]`;
-    `score` defaults to `meta["episode_return"]`. The caller embeds each entry's key text.
+    `score` defaults to `meta["episode_return"]`. With `released` the entries use `released_step_entry_text`
+    and the raw actions. The caller embeds each entry's key text.
     """
     if not per_step:
         return [tip], [dict(meta)]
@@ -172,8 +206,9 @@ def episode_entries(
         score = meta["episode_return"]  # type: ignore[assignment]
     texts, metas = [], []
     for t, action in enumerate(actions):
-        texts.append(step_entry_text(tip, action, score))  # type: ignore[arg-type]
-        metas.append({**meta, "step": t, "action": clean_line(action)})
+        texts.append(released_step_entry_text(tip, action, score) if released  # type: ignore[arg-type]
+                     else step_entry_text(tip, action, score))  # type: ignore[arg-type]
+        metas.append({**meta, "step": t, "action": action if released else clean_line(action)})
     return texts, metas
 
 

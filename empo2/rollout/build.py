@@ -4,6 +4,8 @@ self-play all collect with."""
 
 from __future__ import annotations
 
+import sys
+
 from empo2.config import MINISCI_HOUSE_FIELDS, TrainConfig
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.memory import Embedder, TipMemory
@@ -18,7 +20,8 @@ def env_kwargs(cfg: TrainConfig) -> dict:
     if cfg.env.max_steps is not None:
         kw["max_steps"] = cfg.env.max_steps
     if cfg.env.name == "scienceworld":
-        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s)
+        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s,
+                  clamp_score=cfg.env.clamp_score)
     if cfg.env.name == "minisci":
         kw.update({f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
     if cfg.env.name == "textworld":
@@ -29,13 +32,15 @@ def env_kwargs(cfg: TrainConfig) -> dict:
 def validation_tasks(cfg: TrainConfig, on_train: bool = False) -> list[TaskSpec]:
     """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
     two runs (and two iterations of one run) are always scored on the same instances. With `on_train`, the
-    first ones of the variations the run trains on (`train_split`, within `train_variations`)."""
+    first ones of the variations the run trains on (`train_split`, within `train_variations`). Each held-out
+    instance appears `val_repeats` times in a row."""
     cat = get_catalogue(cfg.env.name)
     tasks = cfg.env.tasks or cat.tasks()
     split, n = cfg.env.val_split, cfg.env.val_variations
     if on_train:
         split, n = cfg.env.train_split, min(n, cfg.env.train_variations or n)
-    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n]]
+    repeats = 1 if on_train else cfg.env.val_repeats  # each instance played that many times (released code: 4)
+    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n] for _ in range(repeats)]
 
 
 def episode_step_bound(cfg: TrainConfig, env) -> int:
@@ -66,9 +71,11 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
     """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
     (training builds it once the strategy has opened the process group: `RolloutCallback.setup`)."""
     engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
-    builder = PromptBuilder(tokenizer, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+    drop = cfg.rollout.overlong == "drop"  # whole histories; over-long steps leave training in the collector
+    builder = PromptBuilder(tokenizer, max_prompt_tokens=sys.maxsize if drop else cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
-                            max_request_tokens=cfg.rollout.max_tip_request_tokens)
+                            max_request_tokens=cfg.rollout.max_tip_request_tokens or cfg.rollout.max_prompt_tokens,
+                            template=cfg.rollout.prompt_template)
     envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
     memory = embedder = None
     if cfg.memory.enabled:
@@ -76,16 +83,17 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
         m = cfg.memory
         memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
                            eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
-                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed)
+                           rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed, raw_tips=m.tip_format == "raw")
     a, r = cfg.algo, cfg.rollout
     settings = CollectorSettings(
         p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
+        intrinsic=a.intrinsic, intrinsic_in_advantage=a.intrinsic_in_advantage,
         adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
         max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
         max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
         tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
-        step_entry_key=cfg.memory.step_entry_key,
+        step_entry_key=cfg.memory.step_entry_key, tip_format=cfg.memory.tip_format,
         key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
-        record_logprobs=generation_logprobs_exact(cfg))
+        record_logprobs=generation_logprobs_exact(cfg), drop_over_tokens=r.max_prompt_tokens if drop else None)
     specials = list(getattr(tokenizer, "all_special_tokens", []))
     return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)

@@ -26,6 +26,17 @@ from empo2.rollout.types import RolloutBatch, StepSample, Trajectory
 from empo2.stats import memory_gain
 
 
+def released_chat_text(task: str, history: list[tuple[str, str]], observation: str) -> str:
+    """The released chat as its memory keys read it (`gather_chats` of microsoft/agent-lightning 0b40cb72,
+    contrib/agentlightning/contrib/agent/empo2_agent.py:46-59, over the tip-free chat): "role: content" per message,
+    joined by spaces, the task text after the first observation."""
+    observations = [o for o, _ in history] + [observation]
+    observations[0] += "\n" + task
+    parts = [f"user: {o}" + (f" assistant: {a}" if t < len(history) else "")
+             for t, (o, a) in enumerate(zip(observations, [a for _, a in history] + [""]))]
+    return " ".join(parts)
+
+
 class NoveltyCounter:
     """Visit counts n(s) keyed by `env.state_key()`; they persist across iterations (and checkpoints),
     so a state stays familiar once the agent has seen it, which is what makes 1/n(s) an exploration
@@ -62,6 +73,8 @@ class CollectorSettings:
     q: float = 0.68
     mode_granularity: str = "episode"
     beta: float = 0.0  # the value for this iteration (the schedule is evaluated by the caller)
+    intrinsic: str = "novelty"  # r_int: "novelty" 1/n(s), or "retrieval" 1/(count+1) on memory-mode steps
+    intrinsic_in_advantage: bool = True  # False: r_int is logged but the advantages read the extrinsic return
     normalize_std: bool = True
     adv_eps: float = 1e-6
     temperature: float = 1.0
@@ -75,9 +88,13 @@ class CollectorSettings:
     tip_temperature: float = 1.0
     per_step_entries: bool = False
     step_entry_key: str = "step"  # per-step entries keyed by their own step's state, or "final": the episode's last
+    tip_format: str = "line"  # the tip as one sanitised line, or "raw": the policy's output as written (released code)
     key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
     tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     write_tips: bool = True
+    # `rollout.overlong=drop`: a training step whose prompt + response exceeds this many tokens is no sample, and its
+    # reward stays out of the return (released code); None keeps every step
+    drop_over_tokens: int | None = None
     # training steps keep generate's log-probs as their behaviour log-probs; only for an engine that samples
     # from the trainer's own weights in the trainer's precision (`empo2.rollout.build.build_collector` decides)
     record_logprobs: bool = False
@@ -168,26 +185,36 @@ class RolloutCollector:
                 traj = trajs[i]
                 tokens_generated += len(gen.token_ids)
                 offpolicy = bool(offpolicy_mode[i, t]) and prompt.has_tips
-                traj.samples.append(StepSample(
+                dropped = (not evaluate and s.drop_over_tokens is not None
+                           and len(prompt.ids) + len(gen.token_ids) > s.drop_over_tokens)
+                traj.dropped_steps += dropped
+                sample = StepSample(
                     behaviour_ids=prompt.ids,
                     train_ids=prompt.without_tips() if offpolicy else prompt.ids,
                     response_ids=gen.token_ids, memory=prompt.has_tips, offpolicy=offpolicy,
                     group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs,
-                    prefix_len=prompt.prefix_len))
+                    prefix_len=prompt.prefix_len)
+                if not dropped:
+                    traj.samples.append(sample)
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))
                 traj.wanted_tips |= bool(memory_mode[i, t])
                 res = envs[i].step(gen.text)
-                traj.ext_return += res.reward
+                traj.ext_return += 0.0 if dropped else res.reward
                 traj.score, traj.won = float(res.info.get("score", 0.0)), bool(res.info.get("won", False))
                 traj.invalid_actions += int(bool(res.info.get("invalid_action", False)))
                 if res.info.get("env_error"):
                     traj.env_error = str(res.info["env_error"])
-                histories[i].append((obs[i], res.info.get("parsed_action") or gen.text))
+                # the released chat shows the raw output as the past action (its `record_original_action`)
+                raw_action = self.builder.template == "released"
+                histories[i].append((obs[i], gen.text if raw_action else res.info.get("parsed_action") or gen.text))
                 turn_tips[i].append(step_tips[i])
                 obs[i] = res.obs
                 if not res.done:
                     still_live.append(i)
-            if not evaluate:  # visit counts n(s) of the states this step led to; 1/n(s) is taken below
+            if not evaluate and s.intrinsic == "retrieval":  # tips retrieved per step; 1/(count+1) is taken below
+                for i in live:
+                    trajs[i].intrinsic.append(len(tips.get(i, [])))
+            elif not evaluate:  # visit counts n(s) of the states this step led to; 1/n(s) is taken below
                 for i, n in zip(live, self.novelty.visit_step([envs[i].state_key() for i in live])):
                     trajs[i].intrinsic.append(n)
             live = still_live
@@ -203,7 +230,7 @@ class RolloutCollector:
                 tips_added = len(self.memory.add(*new_tips))
             timing["memory"] += time.perf_counter() - t0
 
-        self._assign_advantages(trajs, evaluate)
+        self._assign_advantages(trajs, evaluate, memory_mode)
         if has_memory and not evaluate:
             for traj in trajs:
                 if traj.tips_used:
@@ -216,6 +243,8 @@ class RolloutCollector:
     def _key_text(self, env: TextEnv, history: list[tuple[str, str]], observation: str) -> str:
         """What retrieval compares (`key_text`): the task and the current observation, or the whole chat so
         far (the released code embeds the step's chat-history text)."""
+        if self.settings.key_text == "history" and self.builder.template == "released":
+            return released_chat_text(env.task_description, history, observation)
         if self.settings.key_text == "history":
             turns = "".join(f"{o}\n> {a}\n" for o, a in history)
             return f"{env.task_description}\n{turns}{observation}"
@@ -244,14 +273,17 @@ class RolloutCollector:
         t0 = time.perf_counter()
         texts, keys, metas = [], [], []
         for i, (traj, gen) in enumerate(zip(trajs, gens)):
-            tip = sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
+            tip = gen.text if s.tip_format == "raw" else sanitize_tip(gen.text, s.max_tip_words, self.special_tokens)
+            if tip == "" and not s.per_step_entries:  # a raw empty output: nothing to store (a step entry never is)
+                tip = None
             traj.tip = tip
             if tip is None:
                 continue
             meta = {"task": traj.task, "variation": traj.variation, "episode_return": traj.ext_return,
                     "iteration": iteration, "source_rank": self.rank}
             actions = [a for _, a in histories[i]]
-            entry_texts, entry_metas = episode_entries(tip, meta, s.per_step_entries, actions, traj.score)
+            entry_texts, entry_metas = episode_entries(tip, meta, s.per_step_entries, actions, traj.score,
+                                                       released=s.tip_format == "raw")
             final_key = self._key_text(envs[i], histories[i], obs[i])
             if s.per_step_entries and s.step_entry_key == "step":  # the state each step acted in
                 keys += [self._key_text(envs[i], histories[i][:m["step"]], histories[i][m["step"]][0])
@@ -264,18 +296,22 @@ class RolloutCollector:
         timing["memory"] += time.perf_counter() - t0
         return texts, vectors, metas
 
-    def _assign_advantages(self, trajs: list[Trajectory], evaluate: bool) -> None:
+    def _assign_advantages(self, trajs: list[Trajectory], evaluate: bool, memory_mode: torch.Tensor) -> None:
         s = self.settings
         ext = torch.tensor([tr.ext_return for tr in trajs], dtype=torch.float64)  # (R,)
         if evaluate:
             rets = ext
         else:
             counts = [torch.tensor(tr.intrinsic, dtype=torch.float64) for tr in trajs]
-            bonuses = [core_algos.count_bonus(c) if len(c) else c for c in counts]  # r_int(s) = 1/n(s)
+            if s.intrinsic == "retrieval":  # r_int = 1/(retrieved + 1) on memory-mode steps, 0 elsewhere
+                bonuses = [core_algos.retrieval_bonus(c, memory_mode[i, :len(c)]) for i, c in enumerate(counts)]
+            else:
+                bonuses = [core_algos.count_bonus(c) if len(c) else c for c in counts]  # r_int(s) = 1/n(s)
             for tr, b in zip(trajs, bonuses):
                 tr.intrinsic = b.tolist()
             intrinsic_sums = torch.stack([b.sum() for b in bonuses])  # (R,)
-            rets = core_algos.mix_returns(ext, intrinsic_sums, s.beta)
+            # the released code's bonus lands in token_level_rewards, which its advantage never reads
+            rets = core_algos.mix_returns(ext, intrinsic_sums, s.beta) if s.intrinsic_in_advantage else ext
         group_ids = torch.tensor([tr.group_id for tr in trajs], dtype=torch.long)
         adv = core_algos.group_advantages(rets, group_ids, s.normalize_std, s.adv_eps)  # (R,)
         for tr, r, a in zip(trajs, rets.tolist(), adv.tolist()):
@@ -298,6 +334,7 @@ class RolloutCollector:
             "rollout/memory_frac": sum(smp.memory for smp in samples) / n_s,
             "rollout/offpolicy_frac": sum(smp.offpolicy for smp in samples) / n_s,
             "rollout/env_errors": float(sum(tr.env_error is not None for tr in trajs)),
+            "rollout/dropped_overlong": float(sum(tr.dropped_steps for tr in trajs)),
             "rollout/tokens_generated": float(tokens),
             "intrinsic/mean_reward": float(np.mean(intrinsic)) if intrinsic else 0.0,
             "intrinsic/states_seen": float(len(self.novelty)),

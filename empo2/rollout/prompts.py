@@ -24,7 +24,13 @@ import functools
 import re
 from dataclasses import dataclass, field
 
-from empo2.memory.tips import format_tip_block, tip_request_message
+from empo2.memory.tips import (
+    RELEASED_TIP_INSTRUCTION,
+    format_tip_block,
+    released_memories_text,
+    released_tip_block,
+    tip_request_message,
+)
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an agent acting in a text environment. Each user message shows what you observe. "
@@ -35,6 +41,15 @@ _SLOT = "\ue000{}\ue001"
 _SLOT_RE = re.compile("\ue000(\\d+)\ue001")
 _MERGE_SEPARATOR = "\n\n"  # joins contents that share one message in the fallback layout
 _TIP_SEPARATOR = "\n\n"  # between the observation and the tip block; part of the tip span
+TEMPLATES = ("project", "released")
+# The released code's exploration instruction, appended after "\n\n" to the last user message of every action
+# prompt (microsoft/agent-lightning 0b40cb72, contrib/recipes/envs/add_instruction.py:13-16, 80-82).
+RELEASED_NAIVE_INSTRUCTION = (
+    "You could try to explore different actions, especially when you are not sure what the best action for your "
+    "current observation.\n"
+    "Please response with only one line with one sentence, following the possible action format shown above. No "
+    "extra words are allowed."
+)
 
 
 @dataclass
@@ -86,17 +101,29 @@ class PromptBuilder:
     max_request_tokens: the budget of the tip request, which shows the whole episode (None: the same as
         max_prompt_tokens).
     Contents are stripped of surrounding whitespace.
+    template: `project` (the layout above) or `released`, the released code's chat (its
+    `HistoryPromptBuilder.get_chat_prompt`, `add_chat_all_tips`, `add_chat_instruction`): no system
+    message; the task text follows the first observation after "\n" (that message is never dropped,
+    truncation drops the turns after it); a turn's tips come as one block "\n\n<tip> " + header +
+    one line per memory + "\n</tip>\n\n" (the tip span); every action prompt ends with "\n\n" and
+    `RELEASED_NAIVE_INSTRUCTION`; the tip request shows each turn's memories without tags and asks with
+    `RELEASED_TIP_INSTRUCTION`. Contents are kept as they are (not stripped).
     """
 
     def __init__(self, tokenizer, system_prompt: str | None = None, max_prompt_tokens: int = 4500,
-                 history_turns: int | None = None, max_request_tokens: int | None = None):
+                 history_turns: int | None = None, max_request_tokens: int | None = None, template: str = "project"):
+        if template not in TEMPLATES:
+            raise ValueError(f"unknown prompt template {template!r}; expected one of {TEMPLATES}")
         if max_prompt_tokens < 1 or (max_request_tokens is not None and max_request_tokens < 1):
             raise ValueError(f"max_prompt_tokens and max_request_tokens must be >= 1, got {max_prompt_tokens} "
                              f"and {max_request_tokens}")
         if history_turns is not None and history_turns < 0:
             raise ValueError(f"history_turns must be >= 0 or None, got {history_turns}")
         self.tokenizer = tokenizer
+        self.template = template
         self.system_prompt = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+        if template == "released":
+            self.system_prompt = ""  # the released chat has no system message
         self.max_prompt_tokens = max_prompt_tokens
         self.max_request_tokens = max_request_tokens or max_prompt_tokens
         self.history_turns = history_turns
@@ -120,17 +147,23 @@ class PromptBuilder:
                           history_tips: list[list[str] | None] | None = None) -> list[int]:
         """The whole episode chat (every turn, whatever `history_turns` says, within the token budget) plus
         one more user turn asking the policy for its tip; tip-free unless `history_tips` is given."""
-        request = tip_request_message(max_words)["content"]
+        request = RELEASED_TIP_INSTRUCTION if self.template == "released" else tip_request_message(max_words)["content"]
         return self._assemble(task_description, history, [final_observation, request], None, history_tips,
                               all_turns=True).ids
 
     # -------------------------------------------------------------------------------------- assembling
-    def _tip_piece(self, tips: list[str] | None) -> list[_Piece]:
-        return [("tip", self._encode(_TIP_SEPARATOR + format_tip_block(tips), False))] if tips else []
+    def _tip_piece(self, tips: list[str] | None, request: bool = False) -> list[_Piece]:
+        if not tips:
+            return []
+        if self.template == "released":  # the tip request lists a turn's memories without tags
+            return ([("text", self._encode(released_memories_text(tips), False))] if request else
+                    [("tip", self._encode(released_tip_block(tips), False))])
+        return [("tip", self._encode(_TIP_SEPARATOR + format_tip_block(tips), False))]
 
     def _assemble(self, task: str, history: list[tuple[str, str]], tail_users: list[str],
                   tips: list[str] | None, history_tips: list[list[str] | None] | None, all_turns: bool) -> Prompt:
-        enc = self._encode
+        released = self.template == "released"
+        enc = functools.partial(self._encode, strip=not released)
         if history_tips is None:
             history_tips = [None] * len(history)
         if len(history_tips) != len(history):
@@ -141,17 +174,28 @@ class PromptBuilder:
         head: list[_Message] = [("system", [("text", enc(self.system_prompt))])] if self.system_prompt else []
         turns: list[_Message] = []
         for (obs, action), turn_tips in zip(history, history_tips):
-            turns += [("user", [("text", enc(obs))] + self._tip_piece(turn_tips)),
+            turns += [("user", [("text", enc(obs))] + self._tip_piece(turn_tips, request=all_turns and released)),
                       ("assistant", [("text", enc(action))])]
         tip = self._tip_piece(tips)
         extra: list[_Message] = [("user", [("text", enc(t))]) for t in tail_users[1:]]
+        # released: every action prompt ends with the exploration instruction (the tip request does not)
+        naive = [] if all_turns or not released else [("text", enc(_TIP_SEPARATOR + RELEASED_NAIVE_INSTRUCTION))]
 
         def messages(first_turn: int, task_ids: tuple[int, ...], current_ids: tuple[int, ...]) -> list[_Message]:
-            msgs = (head + [("user", [("task", task_ids)])] + turns[2 * first_turn:]
-                    + [("user", [("current", current_ids)] + tip)] + extra)
+            if released:  # the task text follows the first observation, whose message always stays
+                instruction = [("task", task_ids)]
+                if not turns:
+                    msgs = [("user", [("current", current_ids)] + instruction + tip + naive)] + extra
+                else:
+                    (role, pieces), answer = turns[0], turns[1]
+                    msgs = ([(role, pieces[:1] + instruction + pieces[1:]), answer] + turns[2 * max(first_turn, 1):]
+                            + [("user", [("current", current_ids)] + tip + naive)] + extra)
+            else:
+                msgs = (head + [("user", [("task", task_ids)])] + turns[2 * first_turn:]
+                        + [("user", [("current", current_ids)] + tip)] + extra)
             return self._merged(msgs) if self._merge else msgs
 
-        task_ids, current_ids = enc(task), enc(tail_users[0])
+        task_ids, current_ids = enc(("\n" + task) if released else task), enc(tail_users[0])
         budget = self.max_request_tokens if all_turns else self.max_prompt_tokens
         n = len(history)
         # Fewest dropped turns that fit; the length only shrinks as turns are dropped (binary search).

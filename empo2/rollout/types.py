@@ -48,6 +48,7 @@ class Trajectory:
     wanted_tips: bool = False
     env_error: str | None = None
     tip: str | None = None  # the tip the policy wrote after the episode (after sanitising), if any
+    dropped_steps: int = 0  # steps left out of training as over-long (`rollout.overlong=drop`), rewards included
 
     @property
     def length(self) -> int:

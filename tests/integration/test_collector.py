@@ -26,12 +26,12 @@ def embedder():
     return Embedder()
 
 
-def make_collector(policy, embedder, **overrides):
+def make_collector(policy, embedder, template="project", **overrides):
     model, tok = policy
     settings = CollectorSettings(max_new_tokens=6, max_episode_steps=4, tip_max_new_tokens=16, **overrides)
-    memory = TipMemory(embedder.dim, min_sim=settings.min_sim)
+    memory = TipMemory(embedder.dim, min_sim=settings.min_sim, raw_tips=settings.tip_format == "raw")
     envs = [make_env("minisci", max_steps=4) for _ in range(len(TASKS) * N)]
-    return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512), envs, memory,
+    return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512, template=template), envs, memory,
                             embedder, settings, special_tokens=tok.all_special_tokens)
 
 
@@ -135,6 +135,48 @@ def test_intrinsic_reward_reaches_the_advantages(policy, embedder):
     assert b0.stats["rollout/intrinsic_return"] == 0.0
 
 
+def test_retrieval_bonus_is_one_over_retrieved_plus_one_and_can_stay_out_of_the_advantages(policy, embedder):
+    """algo.intrinsic=retrieval (released code): r_int = 1/(count+1) on memory-mode steps, 0 elsewhere; with
+    intrinsic_in_advantage=False it is logged but the returns (hence advantages) are the extrinsic ones."""
+    for in_adv in (True, False):
+        c = make_collector(policy, embedder, p=0.5, min_sim=-1.0, top_k=1, write_tips=False, beta=5.0,
+                           intrinsic="retrieval", intrinsic_in_advantage=in_adv, mode_granularity="episode")
+        fill_memory(c)  # one tip per instance: a memory-mode step retrieves exactly 1 tip, r_int = 1/2
+        batch = collect(c, seed=5)
+        memory = [tr for tr in batch.trajectories if tr.samples[0].memory]
+        plain = [tr for tr in batch.trajectories if not tr.samples[0].memory]
+        assert memory and plain, "seed 5 gave no mix of modes; pick another"
+        assert all(tr.intrinsic == [0.5] * tr.length for tr in memory)
+        assert all(tr.intrinsic == [0.0] * tr.length for tr in plain)
+        rets = np.array([tr.ret for tr in batch.trajectories])
+        ext = np.array([tr.ext_return for tr in batch.trajectories])
+        bonus = np.array([sum(tr.intrinsic) for tr in batch.trajectories])
+        np.testing.assert_allclose(rets, ext + 5.0 * bonus if in_adv else ext)
+        assert batch.stats["intrinsic/mean_reward"] > 0
+        assert len(c.novelty) == 0  # no visit is counted for a bonus that does not use them
+
+
+def test_released_wording_stores_raw_tips_and_raw_actions_in_the_released_entry_text(policy, embedder):
+    """rollout.prompt_template=released with memory.tip_format=raw: the tip is the policy's output as written, one
+    entry per step `<tip>; At that timestep, the specific action your took was <raw output>; Eventually you got the
+    score <R>/100.`, and the chat history shows the raw outputs."""
+    c = make_collector(policy, embedder, template="released", tip_format="raw", per_step_entries=True,
+                       step_entry_key="final", key_text="history")
+    batch = collect(c)
+    records = c.memory.records()
+    assert records and batch.stats["memory/tips_added"] == len(records)
+    assert all(tr.tip is not None for tr in batch.trajectories)  # raw: nothing is rejected or cut
+    for r in records:
+        assert any(r.text == f"{tr.tip}; At that timestep, the specific action your took was {r.action}; Eventually "
+                   f"you got the score {round(float(tr.score), 1)}/100." for tr in batch.trajectories
+                   if (tr.task, tr.variation) == (r.task, r.variation))
+    _, tok = policy
+    for tr in batch.trajectories:  # the next prompt shows step 0's raw output as the past action
+        firsts = [r.action for r in records if (r.task, r.variation, r.step) == (tr.task, tr.variation, 0)]
+        if tr.length > 1 and firsts:
+            assert any(a in tok.decode(tr.samples[1].behaviour_ids) for a in firsts)
+
+
 def test_fixed_seed_reproduces_the_batch(policy, embedder):
     a = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=7)
     b = collect(make_collector(policy, embedder, p=0.5, q=0.5), seed=7)
@@ -171,6 +213,43 @@ def test_a_short_scienceworld_batch_on_the_real_jvm(policy, embedder):
     assert all(1 <= tr.length <= 3 and tr.env_error is None for tr in batch.trajectories)
     assert all(0 <= tr.score <= 100 for tr in batch.trajectories)
     assert batch.stats["intrinsic/states_seen"] >= 1
+
+
+def test_overlong_drop_leaves_steps_and_their_rewards_out_of_training(policy, embedder):
+    """rollout.overlong=drop (released code): a step whose prompt + response exceeds the limit is no sample and its
+    reward leaves the return; the episode itself (actions, score) is the same as without the limit."""
+    pytest.importorskip("scienceworld")
+    import shutil
+
+    if shutil.which("java") is None:
+        pytest.skip("java 17 is needed for ScienceWorld")
+    model, tok = policy
+    envs = [make_env("scienceworld", max_steps=3, reward_scale=1.0) for _ in range(2)]
+    batches = {}
+    try:
+        for limit in (None, 1, "mid"):
+            if limit == "mid":  # between the first prompt's length and the longest one's
+                lengths = sorted(len(smp.behaviour_ids) + len(smp.response_ids) for smp in batches[None].samples)
+                limit = lengths[len(lengths) // 2]
+            settings = CollectorSettings(max_new_tokens=6, max_episode_steps=3, drop_over_tokens=limit, p=0.0,
+                                         write_tips=False)
+            collector = RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=100_000), envs,
+                                         TipMemory(embedder.dim), embedder, settings)
+            batches[limit] = collector.collect([TaskSpec("find-living-thing", 0)], 2, 0,
+                                               torch.Generator().manual_seed(0))
+    finally:
+        for env in envs:
+            env.close()
+    full, none_kept = batches.pop(None), batches.pop(1)
+    (limit, some), = batches.items()
+    assert [tr.score for tr in none_kept.trajectories] == [tr.score for tr in full.trajectories]
+    assert sum(tr.score for tr in full.trajectories) > 0  # the task grants points: there is a reward to lose
+    assert [tr.ext_return for tr in full.trajectories] == [tr.score for tr in full.trajectories]
+    assert none_kept.samples == [] and all(tr.ext_return == 0 for tr in none_kept.trajectories)
+    assert none_kept.stats["rollout/dropped_overlong"] == len(full.samples)
+    kept = [len(smp.behaviour_ids) + len(smp.response_ids) for smp in some.samples]
+    over = [n for smp in full.samples if (n := len(smp.behaviour_ids) + len(smp.response_ids)) > limit]
+    assert kept and all(n <= limit for n in kept) and some.stats["rollout/dropped_overlong"] == len(over) > 0
 
 
 def test_identical_rollouts_get_identical_returns_and_zero_advantages(policy, embedder):

@@ -315,6 +315,27 @@ def test_state_dict_round_trip_without_pickle(tmp_path):
     assert other.search(vecs, "t/0") == memory.search(vecs, "t/0")
 
 
+def test_raw_tips_are_stored_and_restored_only_in_a_raw_memory():
+    """raw_tips (memory.tip_format=raw, released code): several lines and tags are kept as written; a default
+    memory refuses them, and restoring a raw memory's state keeps both the texts and the setting."""
+    raw = ["Went to the kitchen.\nThen </tip> focus; At that timestep, ...", "one more"]
+    vecs = unit(np.random.default_rng(0), 2, 16)
+    metas = [{"task": "t", "variation": 0}] * 2
+    with pytest.raises(ValueError, match="line break"):
+        TipMemory(dim=16).add(raw, vecs, metas)
+    memory = TipMemory(dim=16, raw_tips=True)
+    assert len(memory.add(raw, vecs, metas)) == 2
+    with pytest.raises(ValueError, match="non-empty"):
+        memory.add([""], vecs[:1], metas[:1])
+    other = TipMemory(dim=3)
+    other.load_state_dict(memory.state_dict())
+    assert other.raw_tips and [r.text for r in other.records()] == raw
+    with pytest.raises(ValueError, match="line break"):  # a line memory's state cannot smuggle raw text in
+        state = memory.state_dict()
+        state["config"] = dict(state["config"], raw_tips=False)
+        TipMemory(dim=16).load_state_dict(state)
+
+
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_missing_or_truncated_index_is_rebuilt(tmp_path, damage):
     memory, vecs, _ = filled(20)

@@ -182,6 +182,20 @@ def test_wrong_focus_ends_the_episode_at_zero(env):
         env.step("look around")
 
 
+@needs_java
+def test_unclamped_wrong_focus_ends_at_minus_100():
+    """env.clamp_score=False (released code): the simulator's -100 is the score and the summed reward."""
+    e = make_env("scienceworld", clamp_score=False, reward_scale=1.0)
+    try:
+        e.reset("find-living-thing", 0)
+        results = [e.step("go to kitchen"), e.step("focus on chair")]
+        last = results[-1]
+        assert last.done and last.info["task_failed"] and last.info["score"] == -100
+        assert sum(r.reward for r in results) == pytest.approx(-100.0)
+    finally:
+        e.close()
+
+
 def test_step_budget_truncates(env):
     env.max_steps = 3
     try:

@@ -4,6 +4,7 @@ own weights synced after a resume."""
 
 import copy
 import dataclasses
+import math
 
 import lightning as L
 import pytest
@@ -166,6 +167,27 @@ def test_entropy_bonus_enters_the_loss(policy):
         losses[coef] = (loss.item(), metrics.get("entropy"))
     assert losses[0.0][1] is None and losses[0.5][1] > 0
     assert losses[0.5][0] == pytest.approx(losses[0.0][0] - 0.5 * losses[0.5][1], rel=1e-5)
+
+
+def test_the_released_mask_reads_the_behaviour_logprobs_of_every_sample(policy):
+    """algo.mask_logprobs=behaviour, mask_mode=sequence, mask_scope=all, delta=exp(-5) (released code): a response
+    leaves the loss when any of its *behaviour* log-probs is below -5, whatever the learner's are."""
+    model, tok = policy
+    samples = _samples(model.config.vocab_size, n=4)
+    cfg = load_config(["model=tiny", "algo.mask_logprobs=behaviour", "algo.mask_mode=sequence", "algo.mask_scope=all",
+                       f"algo.delta={math.exp(-5)}"])
+    module = EMPO2Module(copy.deepcopy(model), tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+    micro = plan_epoch([len(s.response_ids) for s in samples], 1, 4, None, torch.Generator().manual_seed(0))[0][0]
+    fracs = []
+    for low in (None, 0, 2):  # which sample gets one behaviour log-prob of -6
+        old = [torch.zeros(len(s.response_ids)) for s in samples]  # probability 1: the mask never fires
+        if low is not None:
+            old[low][-1] = -6.0
+        module.buffer.old_logprobs = old
+        fracs.append(module.micro_batch_loss(micro)[1]["masked_frac"])
+    tokens = [len(s.response_ids) for s in samples]
+    # the tiny random model's own log-probs are far below -5: the learner's never decide here
+    assert fracs == pytest.approx([0.0, tokens[0] / sum(tokens), tokens[2] / sum(tokens)])
 
 
 def test_rows_scored_without_a_mask_match_one_padded_pass_and_do_not_depend_on_their_batch(policy):

@@ -123,7 +123,7 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
             assert float(cell) == pytest.approx(np.mean([g for g, _ in gains]), abs=1e-9)
         elif not any(gains):
             assert cell in ("", "nan")
-    assert any(float(rows[p]["rollout/return std"]) > 0 for p in GRID_PRESETS), "seeds should differ"
+    assert any(float(rows[p][f"{m} std"]) > 0 for p in GRID_PRESETS for m in COMPARED), "seeds should differ"
     table = (out / "compare.md").read_text()
     assert all(f"| {p} | 2 |" in table for p in GRID_PRESETS)
     assert f"Intervals: {T_SEEDS} (rollout/return, intrinsic/mean_reward, memory/size); {TWO_LEVEL} (val/score_nomem)" \

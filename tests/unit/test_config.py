@@ -49,6 +49,13 @@ def test_every_field_is_documented():
         ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens=0 is out of range: expected (0, inf)"),
         ("trainer.micro_batch_tokens=lots", "trainer.micro_batch_tokens"),
         ("algo.mask_mode=word", "algo.mask_mode='word' is not allowed: expected one of ['token', 'sequence']"),
+        ("algo.intrinsic=visits", "algo.intrinsic='visits' is not allowed: expected one of ['novelty', 'retrieval']"),
+        ("algo.mask_logprobs=old", "algo.mask_logprobs='old' is not allowed: expected one of ['learner', 'behaviour']"),
+        ("env.val_repeats=0", "env.val_repeats=0 is out of range: expected (0, inf)"),
+        ("env.clamp_score=false", "env.clamp_score=False is not allowed with env.name=minisci"),
+        ("memory.tip_format=raw", "memory.tip_format=raw is not allowed with rollout.prompt_template=project"),
+        ("rollout.prompt_template=verl", "rollout.prompt_template='verl' is not allowed"),
+        ("rollout.overlong=cut", "rollout.overlong='cut' is not allowed: expected one of ['truncate', 'drop']"),
         ("algo.p=abc", "algo.p"),
         ("algo.foo=1", "algo.foo: unknown key"),
         ("+algo.foo=1", "algo.foo: unknown key"),
@@ -61,6 +68,17 @@ def test_bad_values_raise_one_line_naming_the_key(override, needle):
     msg = str(e.value)
     assert needle in msg
     assert "\n" not in msg
+
+
+def test_validation_repeats_play_each_held_out_instance_that_many_times():
+    from empo2.rollout.build import validation_tasks
+
+    once = validation_tasks(load_config(["env.val_variations=2"]))
+    four = validation_tasks(load_config(["env.val_variations=2", "env.val_repeats=4"]))
+    assert len(four) == 4 * len(once) and [t for t in four[::4]] == once and four[:4] == [once[0]] * 4
+    # the training instances of trainer.val_train are not repeated
+    assert validation_tasks(load_config(["env.val_repeats=4"]), on_train=True) == validation_tasks(load_config([]),
+                                                                                                  on_train=True)
 
 
 def test_micro_batch_token_budget_is_off_by_default_and_takes_a_count():

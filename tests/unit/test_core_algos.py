@@ -163,6 +163,19 @@ def test_count_bonus_and_mix_returns_by_hand():
         ca.mix_returns(torch.zeros(2), torch.zeros(2), beta=-0.1)
 
 
+def test_retrieval_bonus_by_hand():
+    # released code: 1/(count+1) on memory-mode steps (count 0 -> 1), 0 where tips were off
+    retrieved = torch.tensor([0, 1, 9, 3, 10])
+    mode = torch.tensor([True, True, True, False, True])
+    torch.testing.assert_close(ca.retrieval_bonus(retrieved, mode),
+                               torch.tensor([1.0, 0.5, 0.1, 0.0, 1 / 11], dtype=torch.float64))
+    assert ca.retrieval_bonus(torch.tensor([-1]), torch.tensor([False])).tolist() == [0.0]  # ignored off-memory
+    with pytest.raises(ValueError, match=">= 0"):
+        ca.retrieval_bonus(torch.tensor([-1]), torch.tensor([True]))
+    with pytest.raises(ValueError, match="shape"):
+        ca.retrieval_bonus(torch.tensor([1, 2]), torch.tensor([True]))
+
+
 def test_intrinsic_reward_reaches_the_advantage():
     ext = torch.tensor([1.0, 1.0, 1.0, 1.0])  # one group, all successes: no extrinsic signal
     ids = torch.zeros(4, dtype=torch.long)
@@ -517,6 +530,18 @@ def test_agg_loss_modes_by_hand():
     assert ca.agg_loss(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)  # 5
     with pytest.raises(ValueError, match="aggregation"):
         ca.agg_loss(loss_mat, mask, "mean")
+
+
+def test_verl_token_mean_over_one_sample_micro_batches_is_seq_mean_token_mean():
+    """The released code's update (verl 0.5.0 dp_actor.py:386-388, 466-469): each micro-batch of one sample takes
+    token-mean, divided by the accumulation steps; over a mini-batch that is seq-mean-token-mean, not token-mean."""
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0, 6.0], [4.0, 0.0, 0.0, 0.0], [2.0, 8.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
+    accumulated = sum(ca.agg_loss(loss_mat[i:i + 1], mask[i:i + 1], "token-mean") / 3 for i in range(3))
+    # by hand: (12 / 4 + 4 / 1 + 10 / 2) / 3 = (3 + 4 + 5) / 3 = 4, where token-mean would give 26 / 7
+    assert accumulated.item() == pytest.approx(4.0)
+    assert ca.agg_loss(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx(4.0)
+    assert ca.agg_loss(loss_mat, mask, "token-mean").item() == pytest.approx(26 / 7)
 
 
 def test_policy_loss_registry():

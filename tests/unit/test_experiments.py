@@ -52,6 +52,46 @@ def test_paper_and_official_presets_hold_their_sources_values():
     assert (m.per_step_entries, m.key_text, m.rank_by, r.tips_in_history) == (False, "state", "similarity", False)
 
 
+# The released code's values (microsoft/agent-lightning 0b40cb72 [A], agent-lightning/agl-envs 4fa0c58 [E],
+# verl v0.5.0 defaults [V]); experiments/empo2_official.yaml cites each one's line, docs/official_preset.md tabulates.
+RELEASED = {
+    "algo.p": 0.25, "algo.q": 0.68, "algo.mode_granularity": "batch",  # [A] trainer.py:309-318
+    "algo.mask_mode": "sequence", "algo.mask_scope": "all", "algo.mask_logprobs": "behaviour",  # core_empo2.py:51-68
+    "algo.delta": 0.0,  # USE_LOW_PROB_MASKING false, recipe:14
+    "algo.intrinsic": "retrieval", "algo.intrinsic_in_advantage": False,  # agent:136-148; trainer.py:420-449
+    "algo.beta_start": 1.0, "algo.beta_end": 1.0, "algo.beta_schedule": "constant",
+    "algo.clip_low": 0.2, "algo.clip_high": 0.3, "algo.dual_clip_c": 10.0,  # recipe:65-67
+    "algo.kl_coef": 0.0, "algo.entropy_coef": 0.0, "algo.normalize_std": True, "algo.adv_eps": 1e-6,
+    "algo.loss_agg": "seq-mean-token-mean",  # [V] token-mean per 1-sample micro-batch, / gradient accumulation
+    "trainer.mini_batch_size": 128, "trainer.micro_batch_size": 1,  # recipe:6-9 x [V] fsdp_workers.py:175-176
+    "trainer.iterations": 10000,  # 500 epochs x 320 rows / 16 (recipe:93, 34; [E] data:9-11)
+    "trainer.lr": 1e-6, "trainer.weight_decay": 0.01, "trainer.grad_clip": 1.0, "trainer.ppo_epochs": 1,
+    "trainer.val_every": 20, "trainer.ckpt_every": 50, "trainer.val_before_train": False,
+    "rollout.tasks_per_batch": 16, "rollout.group_size": 8, "rollout.temperature": 1.0,
+    "rollout.val_temperature": 0.4, "rollout.max_new_tokens": 32, "rollout.max_prompt_tokens": 4500,
+    "rollout.tip_max_new_tokens": 512, "rollout.tip_temperature": 1.0, "rollout.history_turns": None,
+    "rollout.tips_in_history": True, "rollout.prompt_template": "released", "rollout.overlong": "drop",
+    "memory.top_k": 10, "memory.min_sim": 0.5, "memory.capacity": 1000, "memory.namespace": "variation",
+    "memory.eviction": "oldest", "memory.per_step_entries": True, "memory.step_entry_key": "final",
+    "memory.key_text": "history", "memory.rank_by": "score", "memory.tip_format": "raw",
+    "env.name": "scienceworld", "env.tasks": ["power-component"], "env.train_variations": 5,
+    "env.val_split": "test", "env.val_variations": 20, "env.val_repeats": 4, "env.simplification": "easy",
+    "env.max_steps": None, "env.action_correction": True, "env.reward_scale": 1.0, "env.clamp_score": False,
+    "model.name": "qwen2.5-7b-instruct",
+}
+
+
+def test_official_preset_resolves_to_the_released_values():
+    cfg = _cfg("empo2_official")
+    resolved = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in RELEASED}
+    assert resolved == RELEASED
+    # the paper preset keeps the paper's intent where the released code departs from it
+    paper = _cfg("empo2_paper")
+    assert (paper.algo.intrinsic, paper.algo.intrinsic_in_advantage, paper.env.clamp_score) == ("novelty", True, True)
+    assert (paper.rollout.prompt_template, paper.memory.tip_format, paper.rollout.overlong) == \
+        ("project", "line", "truncate")
+
+
 def test_ablation_presets_change_only_their_knob():
     grpo, no_off, no_int, mem = (_cfg(p) for p in ("grpo", "no_offpolicy", "no_intrinsic", "memory_only"))
     assert (grpo.algo.p, grpo.algo.beta_start, grpo.algo.beta_end, grpo.memory.enabled) == (0.0, 0.0, 0.0, False)

@@ -231,3 +231,110 @@ def test_the_tip_request_has_its_own_budget(tok):
     assert "hallway 0" not in tok.decode(short.build_tip_request(TASK, turns, "The end."))
     assert all(f"hallway {i}" in tok.decode(roomy.build_tip_request(TASK, turns, "The end.")) for i in range(12))
     assert roomy.build(TASK, turns, "x").ids == short.build(TASK, turns, "x").ids  # action prompts unchanged
+
+
+# ---------------------------------------------------------------------------------- released template
+# Expected contents written out from the released code at microsoft/agent-lightning 0b40cb72 for one history:
+# contrib/recipes/envs/prompt_builder.py:91-123 (`get_chat_prompt`: the instruction after the first observation,
+# "\n"), contrib/recipes/envs/add_instruction.py:127-139 (`add_chat_all_tips`: "\n\n<tip> {tip}\n</tip>\n\n" per
+# user turn), :55-84 (`add_chat_instruction`: "\n\n" + NAIVE_INSTRUCTION on the last message; "tip" appends a user
+# turn with TIP_INSTRUCTION) and contrib/agentlightning/contrib/agent/empo2_agent.py:138-148 (a turn's tip text is
+# the header line, then each memory and "\n") and :204-223 (the tip request: memories appended without tags).
+R_TASK = "Your task is to find a(n) animal. First, focus on the thing."
+R_TURNS = [("This room is called the hallway.\n", "go to kitchen"), ("This room is called the kitchen.", "look around")]
+R_OBS = "In it, you see: a frog. "
+R_TIPS = [["The frog was outside.; At that timestep, the specific action your took was go to outside; Eventually "
+           "you got the score 100.0/100."], None]
+R_NOW = ["Look outside first.\nThen focus.", "Kitchen had nothing."]
+R_NAIVE = ("You could try to explore different actions, especially when you are not sure what the best action for "
+           "your current observation.\nPlease response with only one line with one sentence, following the possible "
+           "action format shown above. No extra words are allowed.")
+R_TIP_INSTRUCTION = (
+    "Thanks for playing.\nNow you have ended a trajectory and collect some meaningless or valuable information from the "
+    "interactions with the environment.\nPlease summarize the trajectory, and also summarize what information you get "
+    "from this trajectory, and how far this trajectory is from fully completing the task.\nPlease respond with only one "
+    "sentence with only one line, do not include any extra words.\nYour sentence should be less than 100 words.")
+R_HEADER = "Here are some memories you collected in your previous exploration:\n"
+R_ACTION_PROMPT = [
+    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the "
+                                "thing.\n\n<tip> " + R_HEADER + R_TIPS[0][0] + "\n\n</tip>\n\n"},
+    {"role": "assistant", "content": "go to kitchen"},
+    {"role": "user", "content": "This room is called the kitchen."},
+    {"role": "assistant", "content": "look around"},
+    {"role": "user", "content": "In it, you see: a frog. \n\n<tip> " + R_HEADER + "Look outside first.\nThen focus.\n"
+                                "Kitchen had nothing.\n\n</tip>\n\n\n\n" + R_NAIVE},
+]
+R_TIP_FREE_PROMPT = [
+    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the "
+                                "thing."},
+    {"role": "assistant", "content": "go to kitchen"},
+    {"role": "user", "content": "This room is called the kitchen."},
+    {"role": "assistant", "content": "look around"},
+    {"role": "user", "content": "In it, you see: a frog. \n\n" + R_NAIVE},
+]
+R_TIP_REQUEST = [
+    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the "
+                                "thing." + R_HEADER + R_TIPS[0][0] + "\n"},
+    {"role": "assistant", "content": "go to kitchen"},
+    {"role": "user", "content": "This room is called the kitchen."},
+    {"role": "assistant", "content": "look around"},
+    {"role": "user", "content": "In it, you see: a frog. "},
+    {"role": "user", "content": R_TIP_INSTRUCTION},
+]
+
+
+def rendered(tok, messages):
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_released_template_gives_the_released_chat_for_the_same_history(tok):
+    from empo2.rollout.prompts import RELEASED_NAIVE_INSTRUCTION
+
+    assert RELEASED_NAIVE_INSTRUCTION == R_NAIVE
+    builder = PromptBuilder(tok, template="released")
+    prompt = builder.build(R_TASK, R_TURNS, R_OBS, R_NOW, history_tips=R_TIPS)
+    assert tok.decode(prompt.ids) == rendered(tok, R_ACTION_PROMPT)
+    assert len(prompt.tip_spans) == 2  # the off-policy prompt cuts both blocks, exactly
+    assert tok.decode(prompt.without_tips()) == rendered(tok, R_TIP_FREE_PROMPT)
+    assert builder.build(R_TASK, R_TURNS, R_OBS).ids == prompt.without_tips()
+    request = builder.build_tip_request(R_TASK, R_TURNS, R_OBS, history_tips=R_TIPS)
+    assert tok.decode(request) == rendered(tok, R_TIP_REQUEST)
+
+
+def test_released_template_first_step_and_truncation_keep_the_instruction_turn(tok):
+    builder = PromptBuilder(tok, template="released")
+    first = builder.build(R_TASK, [], R_OBS)
+    assert tok.decode(first.ids) == rendered(tok, [{"role": "user", "content": R_OBS + "\n" + R_TASK + "\n\n" + R_NAIVE}])
+    turns = [(f"Room {i} has a table.", f"go to room {i + 1}") for i in range(30)]
+    full = builder.build(R_TASK, turns, R_OBS)
+    small = PromptBuilder(tok, template="released", max_prompt_tokens=len(full.ids) - 20).build(R_TASK, turns, R_OBS)
+    text = tok.decode(small.ids)
+    assert len(small.ids) <= len(full.ids) - 20
+    assert "Room 0 has a table.\n" + R_TASK in text and "Room 1 has" not in text and "Room 29 has" in text
+    with pytest.raises(ValueError, match="prompt template"):
+        PromptBuilder(tok, template="verl")
+
+
+def test_released_memory_key_text_is_gather_chats_of_the_tip_free_chat():
+    from empo2.rollout.collector import released_chat_text
+
+    # gather_chats(prompt) for R_TURNS (empo2_agent.py:46-59 at 0b40cb72): "role: content" joined by spaces
+    assert released_chat_text(R_TASK, R_TURNS, R_OBS) == (
+        "user: This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the thing. "
+        "assistant: go to kitchen user: This room is called the kitchen. assistant: look around "
+        "user: In it, you see: a frog. ")
+    assert released_chat_text(R_TASK, [], R_OBS) == "user: In it, you see: a frog. \n" + R_TASK
+
+
+def test_released_entry_text_and_instruction_are_the_released_strings():
+    from empo2.memory.tips import RELEASED_TIP_INSTRUCTION, episode_entries, released_step_entry_text
+
+    assert RELEASED_TIP_INSTRUCTION == R_TIP_INSTRUCTION
+    # empo2_agent.py:243-246 at 0b40cb72: f"...; Eventually you got the score {round(episode_reward, 1)}/{int(100)}."
+    assert released_step_entry_text("Tip\nline 2", "Go To kitchen!", 35) == (
+        "Tip\nline 2; At that timestep, the specific action your took was Go To kitchen!; Eventually you got the "
+        "score 35.0/100.")
+    assert released_step_entry_text("t", "a", -100.04) == ("t; At that timestep, the specific action your took was "
+                                                           "a; Eventually you got the score -100.0/100.")
+    texts, metas = episode_entries("Tip", {"task": "x"}, True, ["<|im_end|>go", "look"], 50.0, released=True)
+    assert texts[0].endswith("was <|im_end|>go; Eventually you got the score 50.0/100.") and metas[1]["action"] == "look"
