@@ -169,8 +169,8 @@ class RolloutConfig:
     top_p: float = opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
     max_new_tokens: int = opt(32, "Tokens per action (released code 32).", gt=0)
     max_prompt_tokens: int = opt(4500, "History is truncated (oldest turns first, task kept) to fit.", gt=0)
-    overlong: str = opt("truncate", "A history longer than max_prompt_tokens: `truncate` drops its oldest turns, so every "
-                        "step stays a training sample; `drop` (released code) prompts with the whole history and "
+    overlong: str = opt("truncate", "A history longer than max_prompt_tokens: `truncate` drops its oldest turns, so "
+                        "every step stays a training sample; `drop` (released code) prompts with the whole history and "
                         "leaves out of training every step whose prompt + response exceeds max_prompt_tokens, its step "
                         "reward leaving the episode return the advantage reads (the released trainer filters them "
                         "before its reward lists; validation scores keep every reward). Prompts are then unbounded, "

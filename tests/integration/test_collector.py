@@ -31,8 +31,9 @@ def make_collector(policy, embedder, template="project", **overrides):
     settings = CollectorSettings(max_new_tokens=6, max_episode_steps=4, tip_max_new_tokens=16, **overrides)
     memory = TipMemory(embedder.dim, min_sim=settings.min_sim, raw_tips=settings.tip_format == "raw")
     envs = [make_env("minisci", max_steps=4) for _ in range(len(TASKS) * N)]
-    return RolloutCollector(HFEngine(model, tok), PromptBuilder(tok, max_prompt_tokens=512, template=template), envs, memory,
-                            embedder, settings, special_tokens=tok.all_special_tokens)
+    builder = PromptBuilder(tok, max_prompt_tokens=512, template=template)
+    return RolloutCollector(HFEngine(model, tok), builder, envs, memory, embedder, settings,
+                            special_tokens=tok.all_special_tokens)
 
 
 def collect(collector, seed=0, iteration=0, **kw):

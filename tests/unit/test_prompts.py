@@ -250,14 +250,14 @@ R_NAIVE = ("You could try to explore different actions, especially when you are 
            "your current observation.\nPlease response with only one line with one sentence, following the possible "
            "action format shown above. No extra words are allowed.")
 R_TIP_INSTRUCTION = (
-    "Thanks for playing.\nNow you have ended a trajectory and collect some meaningless or valuable information from the "
-    "interactions with the environment.\nPlease summarize the trajectory, and also summarize what information you get "
-    "from this trajectory, and how far this trajectory is from fully completing the task.\nPlease respond with only one "
-    "sentence with only one line, do not include any extra words.\nYour sentence should be less than 100 words.")
+    "Thanks for playing.\nNow you have ended a trajectory and collect some meaningless or valuable information "
+    "from the interactions with the environment.\nPlease summarize the trajectory, and also summarize what "
+    "information you get from this trajectory, and how far this trajectory is from fully completing the task.\n"
+    "Please respond with only one sentence with only one line, do not include any extra words.\nYour sentence should be less than 100 words.")
 R_HEADER = "Here are some memories you collected in your previous exploration:\n"
 R_ACTION_PROMPT = [
-    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the "
-                                "thing.\n\n<tip> " + R_HEADER + R_TIPS[0][0] + "\n\n</tip>\n\n"},
+    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus "
+                                "on the thing.\n\n<tip> " + R_HEADER + R_TIPS[0][0] + "\n\n</tip>\n\n"},
     {"role": "assistant", "content": "go to kitchen"},
     {"role": "user", "content": "This room is called the kitchen."},
     {"role": "assistant", "content": "look around"},
@@ -265,16 +265,16 @@ R_ACTION_PROMPT = [
                                 "Kitchen had nothing.\n\n</tip>\n\n\n\n" + R_NAIVE},
 ]
 R_TIP_FREE_PROMPT = [
-    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the "
-                                "thing."},
+    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus "
+                                "on the thing."},
     {"role": "assistant", "content": "go to kitchen"},
     {"role": "user", "content": "This room is called the kitchen."},
     {"role": "assistant", "content": "look around"},
     {"role": "user", "content": "In it, you see: a frog. \n\n" + R_NAIVE},
 ]
 R_TIP_REQUEST = [
-    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus on the "
-                                "thing." + R_HEADER + R_TIPS[0][0] + "\n"},
+    {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus "
+                                "on the thing." + R_HEADER + R_TIPS[0][0] + "\n"},
     {"role": "assistant", "content": "go to kitchen"},
     {"role": "user", "content": "This room is called the kitchen."},
     {"role": "assistant", "content": "look around"},
@@ -304,7 +304,8 @@ def test_released_template_gives_the_released_chat_for_the_same_history(tok):
 def test_released_template_first_step_and_truncation_keep_the_instruction_turn(tok):
     builder = PromptBuilder(tok, template="released")
     first = builder.build(R_TASK, [], R_OBS)
-    assert tok.decode(first.ids) == rendered(tok, [{"role": "user", "content": R_OBS + "\n" + R_TASK + "\n\n" + R_NAIVE}])
+    first_turn = R_OBS + "\n" + R_TASK + "\n\n" + R_NAIVE
+    assert tok.decode(first.ids) == rendered(tok, [{"role": "user", "content": first_turn}])
     turns = [(f"Room {i} has a table.", f"go to room {i + 1}") for i in range(30)]
     full = builder.build(R_TASK, turns, R_OBS)
     small = PromptBuilder(tok, template="released", max_prompt_tokens=len(full.ids) - 20).build(R_TASK, turns, R_OBS)
@@ -337,4 +338,5 @@ def test_released_entry_text_and_instruction_are_the_released_strings():
     assert released_step_entry_text("t", "a", -100.04) == ("t; At that timestep, the specific action your took was "
                                                            "a; Eventually you got the score -100.0/100.")
     texts, metas = episode_entries("Tip", {"task": "x"}, True, ["<|im_end|>go", "look"], 50.0, released=True)
-    assert texts[0].endswith("was <|im_end|>go; Eventually you got the score 50.0/100.") and metas[1]["action"] == "look"
+    assert texts[0].endswith("was <|im_end|>go; Eventually you got the score 50.0/100.")
+    assert metas[1]["action"] == "look"
