@@ -253,7 +253,8 @@ R_TIP_INSTRUCTION = (
     "Thanks for playing.\nNow you have ended a trajectory and collect some meaningless or valuable information "
     "from the interactions with the environment.\nPlease summarize the trajectory, and also summarize what "
     "information you get from this trajectory, and how far this trajectory is from fully completing the task.\n"
-    "Please respond with only one sentence with only one line, do not include any extra words.\nYour sentence should be less than 100 words.")
+    "Please respond with only one sentence with only one line, do not include any extra words.\n"
+    "Your sentence should be less than 100 words.")
 R_HEADER = "Here are some memories you collected in your previous exploration:\n"
 R_ACTION_PROMPT = [
     {"role": "user", "content": "This room is called the hallway.\n\nYour task is to find a(n) animal. First, focus "
