@@ -24,8 +24,9 @@ SUBCOMMANDS = {
             "[variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
     "adapt": "memory-only adaptation to unseen tasks, no parameter updates: `empo2 adapt [ckpt=...] [trials=K] "
              "[split=test] [variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
-    "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N]`",
-    "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N]`",
+    "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N] "
+            "[--launcher slurm] [--status]`",
+    "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N] [--launcher slurm]`",
     "compare": "table and learning curves of an MLflow experiment: "
                "`empo2 compare --experiment NAME [--group-by preset|trial|TAG]`",
     "models": "list the policy presets and whether each is available on this machine",

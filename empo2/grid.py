@@ -1,4 +1,4 @@
-"""`empo2 grid`: every preset x seed of a grid file, sequentially or in local worker processes.
+"""`empo2 grid`: every preset x seed of a grid file, in local worker processes or as SLURM jobs (slurm.py).
 
 A grid file (experiments/ablations.yaml) lists presets and the overrides shared by all runs:
 
@@ -11,7 +11,9 @@ A grid file (experiments/ablations.yaml) lists presets and the overrides shared 
 Each run is `empo2 train experiment=<preset> seed=<s> ...` in its own process, tagged in MLflow
 with `preset`, `seed` and `grid`. A run whose folder holds a summary.json is finished and skipped,
 so running the same grid again resumes it; an interrupted run continues from its last checkpoint
-(`resume=auto`). Every run's config is composed and validated before the first one starts.
+(`resume=auto`). Every run's config is composed and validated before the first one starts. With
+`--launcher slurm` each unfinished run is one job; `--status` reads each run's state from its folder and
+from the scheduler.
 """
 
 from __future__ import annotations

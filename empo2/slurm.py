@@ -31,9 +31,10 @@ from empo2.launch import last_line
 
 PREFIX = "launcher."
 POLL_S = 2.0  # seconds between squeue queries while jobs run
-# squeue states after which a job holds no resources and will not run again (a requeued job is PENDING)
+# squeue states after which a job will not run again. Not PREEMPTED: with --requeue a preempted job passes
+# through it on its way back to PENDING (one preempted for good is forgotten after MinJobAge, and so ends too)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+         "SPECIAL_EXIT", "REVOKED"}
 
 
 @dataclass

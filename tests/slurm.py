@@ -21,12 +21,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from tests.services import free_port
 
 PACKAGES = ("slurmctld", "slurmd", "munge", "slurm-client")
 BINARIES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "munged": "munge", "sbatch": "slurm-client",
             "squeue": "slurm-client", "sinfo": "slurm-client", "scancel": "slurm-client"}
 PARTITION = "debug"
+# `--launcher slurm` arguments of the tests: two jobs at once on a two-core node, each with a short limit
+JOBS = [f"launcher.partition={PARTITION}", "launcher.cpus_per_task=1", "launcher.time=10"]
+UNAVAILABLE = "EMPO2_SLURM_UNAVAILABLE"  # set by .ci/run when apt-get could not install the packages
 
 
 def _sbin(name: str) -> str | None:
@@ -42,6 +47,8 @@ def install() -> str | None:
     """apt-get the packages when allowed (root, and CI or EMPO2_INSTALL_SLURM=1); None on success, else why not."""
     if not missing_parts():
         return None
+    if os.environ.get(UNAVAILABLE) == "1":
+        return f"the SLURM packages could not be installed on this machine ({', '.join(missing_parts())} missing)"
     if os.geteuid() != 0 or not (os.environ.get("CI") == "true" or os.environ.get("EMPO2_INSTALL_SLURM") == "1"):
         return f"SLURM is not installed ({', '.join(missing_parts())}); as root set EMPO2_INSTALL_SLURM=1 to install it"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -109,6 +116,7 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=2
 ReturnToService=2
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
@@ -171,7 +179,7 @@ def start_slurm(timeout: float = 60.0) -> Slurm:
         # socket option in AuthInfo
         sock = root / "munge" / "munge.socket"
         with open(cluster.conf, "a") as f:
-            f.write(f"AuthInfo=socket={sock}\n")
+            f.write(f"AuthInfo=socket={sock},cred_expire=10\n")
         env = {**os.environ, **cluster.env}
         for daemon in ("slurmctld", "slurmd"):
             cluster.procs.append(subprocess.Popen([_sbin(daemon), "-D", "-c"] + (["-N", name] if daemon == "slurmd"
@@ -193,3 +201,21 @@ def start_slurm(timeout: float = 60.0) -> Slurm:
     except BaseException:
         cluster.stop()
         raise
+
+
+@pytest.fixture(scope="module", name="slurm")
+def slurm_cluster():
+    """The cluster, or one line saying why not: a skip, except under CI, where it must start unless the
+    package install itself failed (.ci/run says so)."""
+    why = install()
+    if why is None:
+        try:
+            cluster = start_slurm()
+        except RuntimeError as e:
+            why = f"SLURM could not start here: {str(e).splitlines()[0]}"
+    if why is not None:
+        if os.environ.get("CI") == "true" and os.environ.get(UNAVAILABLE) != "1":
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    yield cluster
+    cluster.stop()

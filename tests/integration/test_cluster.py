@@ -13,7 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.slurm import PARTITION, install, start_slurm
+from tests.slurm import JOBS, PARTITION, slurm_cluster  # noqa: F401 (the `slurm` fixture)
 
 pytestmark = pytest.mark.slow  # a cluster, and several training jobs on it
 
@@ -21,27 +21,6 @@ FAST = ["model=tiny", "trainer.iterations=2", "trainer.mini_batch_size=4", "trai
         "trainer.lr=1e-3", "trainer.val_every=1", "trainer.ckpt_every=1", "rollout.tasks_per_batch=2",
         "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.tip_max_new_tokens=12",
         "rollout.max_prompt_tokens=384", "env.max_steps=3", "env.val_variations=1"]
-PRESETS = ["empo2_official_minisci", "grpo_minisci"]
-COMPARED = ["rollout/return", "intrinsic/mean_reward", "memory/size", "val/score_nomem"]
-# two jobs at once on the node's two cores, each with a short limit
-JOBS = [f"launcher.partition={PARTITION}", "launcher.cpus_per_task=1", "launcher.time=10"]
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    """The cluster, or one line saying why not: a skip, except under CI, where the packages must install."""
-    why = install()
-    if why is None:
-        try:
-            cluster = start_slurm()
-        except RuntimeError as e:
-            why = f"SLURM could not start here: {str(e).splitlines()[0]}"
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
-    yield cluster
-    cluster.stop()
 
 
 def empo2(cluster, *args, timeout=400, wait=True):
@@ -60,32 +39,6 @@ def _grid_file(folder: Path, name: str, presets: list[str], overrides: list[str]
 
 def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def test_a_grid_of_slurm_jobs_ends_with_the_summaries_of_the_local_launcher(slurm, tmp_path):
-    path = _grid_file(tmp_path, "mini", PRESETS, FAST)
-    on_slurm = empo2(slurm, "grid", path, "--seeds", 2, "--launcher", "slurm", *JOBS, f"run_root={tmp_path / 'slurm'}")
-    assert on_slurm.returncode == 0, on_slurm.stdout + on_slurm.stderr
-    local = empo2(slurm, "grid", path, "--seeds", 2, "--workers", 2, f"run_root={tmp_path / 'local'}")
-    assert local.returncode == 0, local.stdout + local.stderr
-    jobs = {}
-    for preset in PRESETS:
-        for seed in (0, 1):
-            name = f"mini/{preset}-s{seed}"
-            a, b = _summary(tmp_path / "slurm" / name), _summary(tmp_path / "local" / name)
-            for key in COMPARED:
-                assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5), (name, key)
-            assert a["config"] == {**b["config"], "run_root": a["config"]["run_root"]}
-            jobs[name] = (tmp_path / "slurm" / name / "slurm_job").read_text().strip()
-            # one line when submitted and one when done, both with the job id
-            assert f"{preset} seed {seed}: SLURM job {jobs[name]} (log " in on_slurm.stdout
-            assert f"{preset} seed {seed}: finished (SLURM job {jobs[name]})" in on_slurm.stdout
-    assert len(set(jobs.values())) == 4
-    status = empo2(slurm, "grid", path, "--seeds", 2, "--status", *JOBS, f"run_root={tmp_path / 'slurm'}")
-    assert status.returncode == 0 and status.stdout.count(": finished (SLURM job ") == 4, status.stdout
-    again = empo2(slurm, "grid", path, "--seeds", 2, "--launcher", "slurm", *JOBS, f"run_root={tmp_path / 'slurm'}")
-    assert again.returncode == 0 and "4 already finished, 0 to submit" in again.stdout, again.stdout + again.stderr
-    assert "SLURM job" not in again.stdout
 
 
 def _wait_for(predicate, what: str, timeout: float = 240):
