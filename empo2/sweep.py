@@ -152,6 +152,8 @@ def run_sweep(path: str | Path, workers: int = 1, overrides: list[str] | tuple =
     if launcher == "slurm":
         ours, overrides = split_overrides(overrides)
         slurm = load_slurm_config(ours)
+        if workers < 1:
+            raise ConfigError(f"--workers={workers} is out of range: expected >= 1")
     spec = load_sweep(path, overrides)
     n_trials = spec.n_trials if n_trials is None else n_trials
     timeout = spec.timeout if timeout is None else timeout
@@ -306,8 +308,6 @@ def _run_trials(study, storage, spec: SweepSpec, root: Path, workers: int, n_tri
 def _run_worker_jobs(slurm: SlurmConfig, spec: SweepSpec, root: Path, url: str, workers: int, args: list[str]) -> None:
     """`workers` SLURM jobs, each an `empo2 sweep` driver with one worker process on the same study (its storage
     URL passed in the job's environment, never on its command line); returns when they have all ended."""
-    if workers < 1:
-        raise ConfigError(f"--workers={workers} is out of range: expected >= 1")
     jobs = {}
     for i in range(workers):
         log = root / spec.study / f"worker-{i}.log"
