@@ -25,8 +25,9 @@ SUBCOMMANDS = {
             "[variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
     "adapt": "memory-only adaptation to unseen tasks, no parameter updates: `empo2 adapt [ckpt=...] [trials=K] "
              "[split=test] [variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
-    "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N]`",
-    "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N]`",
+    "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N] "
+            "[--launcher slurm] [--status]`",
+    "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N] [--launcher slurm]`",
     "compare": "table and learning curves of an MLflow experiment: "
                "`empo2 compare --experiment NAME [--group-by preset|trial|TAG]`",
     "models": "list the policy presets and whether each is available on this machine",
@@ -113,6 +114,11 @@ def _last_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
 def _cmd_config(args: argparse.Namespace) -> int:
     from empo2.config import describe
 
+    if args.section == "launcher":  # job resources of `--launcher slurm`, outside the run config
+        from empo2.slurm import describe_launcher
+
+        print(describe_launcher())
+        return 0
     print(describe(args.section))
     return 0
 
@@ -221,9 +227,16 @@ def _cmd_adapt(args: argparse.Namespace) -> int:
 
 
 def _cmd_grid(args: argparse.Namespace) -> int:
-    from empo2.grid import run_grid
+    from empo2.grid import grid_status, run_grid
 
-    records = run_grid(args.file, seeds=args.seeds, workers=args.workers, overrides=args.overrides)
+    if args.status:
+        rows = grid_status(args.file, seeds=args.seeds, overrides=args.overrides)
+        for r in rows:
+            job = f"SLURM job {r['job']}" + (f" {r['scheduler']}" if r["scheduler"] else "") if r["job"] else "no job"
+            print(f"{r['preset']} seed {r['seed']}: {r['status']} ({job}; {r['run_dir']})")
+        return 0
+    records = run_grid(args.file, seeds=args.seeds, workers=args.workers, overrides=args.overrides,
+                       launcher=args.launcher)
     failed = [r for r in records if r["status"] == "failed"]
     for r in failed:
         print(f"failed: {r['preset']} seed {r['seed']} (log {r['log']})")
@@ -234,7 +247,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from empo2.sweep import run_sweep
 
     result = run_sweep(args.file, workers=args.workers, overrides=args.overrides, n_trials=args.n_trials,
-                       timeout=args.timeout, storage=args.storage)
+                       timeout=args.timeout, storage=args.storage, launcher=args.launcher)
     return 0 if result["best"] else 1
 
 
@@ -259,7 +272,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _add_run_options(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("file", help=f"the {what} YAML file")
     p.add_argument("overrides", nargs="*", help="config overrides applied to every run, e.g. model=tiny")
-    p.add_argument("--workers", type=int, default=1, help="local worker processes running at once (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes running at once (default 1); with "
+                                                          "--launcher slurm, a sweep's worker jobs")
+    p.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                   help="local: worker processes on this machine; slurm: one SLURM job per grid run or sweep "
+                        "worker, resources from launcher.KEY=VALUE (`empo2 config launcher`, docs/cluster.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "grid":
             _add_run_options(p, "grid")
             p.add_argument("--seeds", help="a count (3: seeds 0,1,2) or a list (0,5,7); default: the file's seeds")
+            p.add_argument("--status", action="store_true", help="print each run's state (finished, queued, running, "
+                                                                 "failed, not started) from its folder and SLURM")
             p.set_defaults(func=_cmd_grid)
         elif name == "sweep":
             _add_run_options(p, "sweep")

@@ -585,10 +585,9 @@ def describe(section: str | None = None) -> str:
         return "\n".join(lines)
     defaults = TrainConfig()
     if section == "train":
-        cls, obj, prefix = TrainConfig, defaults, ""
+        obj, prefix = defaults, ""
     elif section in GROUPS:
-        obj = getattr(defaults, section)
-        cls, prefix = type(obj), f"{section}."
+        obj, prefix = getattr(defaults, section), f"{section}."
     else:
         import difflib
 
@@ -596,8 +595,13 @@ def describe(section: str | None = None) -> str:
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}")
     options = f"options {', '.join(group_options(section))}" if section != "train" else "root fields"
-    lines = [f"{section} ({options}):"]
-    for f in dataclasses.fields(cls):
+    return "\n".join([f"{section} ({options}):", *field_lines(obj, prefix)])
+
+
+def field_lines(obj: Any, prefix: str) -> list[str]:
+    """Two lines per documented field of a config dataclass: its default and range, then its documentation."""
+    lines = []
+    for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             continue
@@ -605,4 +609,4 @@ def describe(section: str | None = None) -> str:
         allowed = _range(meta)
         lines.append(f"  {prefix}{f.name} = {value!r}" + (f"   [{allowed}]" if allowed else ""))
         lines.append(f"      {meta.get('help', '')}")
-    return "\n".join(lines)
+    return lines

@@ -1,4 +1,4 @@
-"""`empo2 grid`: every preset x seed of a grid file, sequentially or in local worker processes.
+"""`empo2 grid`: every preset x seed of a grid file, in local worker processes or as SLURM jobs (slurm.py).
 
 A grid file (experiments/ablations.yaml) lists presets and the overrides shared by all runs:
 
@@ -11,7 +11,9 @@ A grid file (experiments/ablations.yaml) lists presets and the overrides shared 
 Each run is `empo2 train experiment=<preset> seed=<s> ...` in its own process, tagged in MLflow
 with `preset`, `seed` and `grid`. A run whose folder holds a summary.json is finished and skipped,
 so running the same grid again resumes it; an interrupted run continues from its last checkpoint
-(`resume=auto`). Every run's config is composed and validated before the first one starts.
+(`resume=auto`). Every run's config is composed and validated before the first one starts. With
+`--launcher slurm` each unfinished run is one job; `--status` reads each run's state from its folder and
+from the scheduler.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ from empo2.config import ConfigError, TrainConfig, load_config, to_dict
 from empo2.experiments import check_keys, read_yaml, string_list
 from empo2.launch import WorkerPool, hydra_quote, last_line, log_run_files
 from empo2.runs import tracking_uri
+from empo2.slurm import (
+    ENDED,
+    SlurmConfig,
+    check_cluster,
+    ended_jobs,
+    load_slurm_config,
+    run_overrides,
+    split_overrides,
+    squeue_states,
+    submit,
+)
 
 GRID_KEYS = ("name", "mlflow_experiment", "presets", "seeds", "overrides")
 
@@ -134,13 +147,16 @@ def _prepare_tracking(runs: list[GridRun]) -> None:
         experiment_id(MlflowClient(uri), name)
 
 
-def run_grid(path: str | Path, seeds: object = None, workers: int = 1, overrides: list[str] | tuple = ()) -> list[dict]:
+def run_grid(path: str | Path, seeds: object = None, workers: int = 1, overrides: list[str] | tuple = (),
+             launcher: str = "local") -> list[dict]:
     """Run (or resume) a grid; returns one record per run: preset, seed, status
-    (`finished` | `skipped` | `failed`), run_dir and log."""
+    (`finished` | `skipped` | `failed`), run_dir and log. `launcher="slurm"`: each run is a SLURM job
+    (`launcher.*` overrides set its resources) and `workers` is not used."""
+    if launcher == "slurm":
+        return _run_grid_slurm(path, seeds, overrides)
     grid_id, runs = plan_grid(path, seeds, overrides)
     todo = [r for r in runs if not is_finished(r)]
-    records = {(r.preset, r.seed): {"preset": r.preset, "seed": r.seed, "status": "skipped",
-                                    "run_dir": str(r.run_dir), "log": None} for r in runs}
+    records = _records(runs)
     print(f"grid {grid_id}: {len(runs)} runs, {len(runs) - len(todo)} already finished, "
           f"{len(todo)} to run with {workers} worker{'s' if workers > 1 else ''}")
     if todo:
@@ -154,9 +170,74 @@ def run_grid(path: str | Path, seeds: object = None, workers: int = 1, overrides
                 pool.start(run, "empo2.cli", ["train", *run.overrides], log)
                 print(f"  {run.label}: started (log {log})")
             run, rc, log = pool.wait()
-            ok = rc == 0 and (run.run_dir / "summary.json").is_file()
-            if ok:
-                log_run_files(json.loads((run.run_dir / "summary.json").read_text()))
-            records[(run.preset, run.seed)].update(status="finished" if ok else "failed", log=str(log))
-            print(f"  {run.label}: " + ("finished" if ok else f"failed (exit {rc}): {last_line(log)}"))
+            _record_end(run, records, rc == 0, log, f"exit {rc}")
     return [records[(r.preset, r.seed)] for r in runs]
+
+
+def _records(runs: list[GridRun]) -> dict:
+    return {(r.preset, r.seed): {"preset": r.preset, "seed": r.seed, "status": "skipped", "run_dir": str(r.run_dir),
+                                 "log": None} for r in runs}
+
+
+def _record_end(run: GridRun, records: dict, ok: bool, log: Path, how: str, job: str = "") -> None:
+    """A run's process or job has ended: finished only with its summary.json (then its files go to MLflow)."""
+    ok = ok and (run.run_dir / "summary.json").is_file()
+    if ok:
+        log_run_files(json.loads((run.run_dir / "summary.json").read_text()))
+    records[(run.preset, run.seed)].update(status="finished" if ok else "failed", log=str(log))
+    print(f"  {run.label}: " + (f"finished{job}" if ok else f"failed ({how}): {last_line(log)}"))
+
+
+def _plan_slurm(path: str | Path, seeds: object, overrides: list[str] | tuple) -> tuple[SlurmConfig, str, list]:
+    ours, rest = split_overrides(overrides)
+    slurm = load_slurm_config(ours)
+    return (slurm, *plan_grid(path, seeds, [*rest, *run_overrides(slurm)]))
+
+
+def _run_grid_slurm(path: str | Path, seeds: object, overrides: list[str] | tuple) -> list[dict]:
+    """Every unfinished run as one SLURM job (its id kept in `<run_dir>/slurm_job`), then wait for them all."""
+    slurm, grid_id, runs = _plan_slurm(path, seeds, overrides)
+    todo = [r for r in runs if not is_finished(r)]
+    records = _records(runs)
+    check_cluster(slurm)
+    print(f"grid {grid_id}: {len(runs)} runs, {len(runs) - len(todo)} already finished, "
+          f"{len(todo)} to submit to SLURM")
+    if todo:
+        _prepare_tracking(todo)
+    jobs = {}
+    for run in todo:
+        log = run.run_dir / "worker.log"
+        job_id = submit(slurm, f"{grid_id}/{run.preset}-s{run.seed}", "empo2.cli", ["train", *run.overrides], log,
+                        run.run_dir / "slurm")
+        (run.run_dir / "slurm_job").write_text(job_id + "\n")
+        jobs[job_id] = run
+        print(f"  {run.label}: SLURM job {job_id} (log {log})")
+    for job_id, state in ended_jobs(list(jobs)):
+        run = jobs[job_id]
+        _record_end(run, records, state in ("completed", "ended"), run.run_dir / "worker.log",
+                    f"SLURM job {job_id} {state}", job=f" (SLURM job {job_id})")
+    return [records[(r.preset, r.seed)] for r in runs]
+
+
+def grid_status(path: str | Path, seeds: object = None, overrides: list[str] | tuple = ()) -> list[dict]:
+    """Each run's state from its folder and the scheduler: `finished` (summary.json), `queued` or `running`
+    (its SLURM job, per squeue), `failed` (it started, its job is gone, no summary) or `not started`."""
+    _, _, runs = _plan_slurm(path, seeds, overrides)
+    ids = {r.label: (r.run_dir / "slurm_job").read_text().strip() for r in runs
+           if (r.run_dir / "slurm_job").is_file()}
+    states = squeue_states(sorted(set(ids.values())))
+    rows = []
+    for r in runs:
+        job_id = ids.get(r.label)
+        state = states.get(job_id, "") if job_id else ""
+        if (r.run_dir / "summary.json").is_file():
+            status = "finished"
+        elif state and state not in ENDED:
+            status = "queued" if state in ("PENDING", "REQUEUED", "CONFIGURING") else "running"
+        elif (r.run_dir / "worker.log").is_file():
+            status = "failed"
+        else:
+            status = "not started"
+        rows.append({"preset": r.preset, "seed": r.seed, "status": status, "job": job_id,
+                     "scheduler": state.lower() or None, "run_dir": str(r.run_dir)})
+    return rows

@@ -21,18 +21,21 @@ are then printed and written once as a preset file (`<run_root>/<study>/best.yam
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from empo2.config import ConfigError
 from empo2.launch import WorkerPool, hydra_quote, last_line
 from empo2.runs import check_tracking, tracking_uri
+from empo2.slurm import SlurmConfig, check_cluster, ended_jobs, load_slurm_config, split_overrides, submit
 from empo2.sweep_spec import Param, SweepSpec, load_sweep, make_pruner, make_sampler
 from empo2.sweep_storage import open_storage, shown_url, storage_lock
 
 __all__ = ["STORAGE_ENV", "Param", "SweepSpec", "load_sweep", "make_pruner", "make_sampler", "open_storage",
            "run_sweep"]
-STORAGE_ENV = "EMPO2_SWEEP_STORAGE"  # the storage URL reaches trial processes here, never on a command line
+# the storage URL reaches trial processes and SLURM worker jobs here, never on a command line
+STORAGE_ENV = "EMPO2_SWEEP_STORAGE"
 
 
 def _parent_run(study, spec: SweepSpec, storage_url: str) -> str:
@@ -137,23 +140,33 @@ def _counted(trials) -> int:
 
 
 def run_sweep(path: str | Path, workers: int = 1, overrides: list[str] | tuple = (), n_trials: int | None = None,
-              timeout: float | None = None, storage: str | None = None) -> dict:
+              timeout: float | None = None, storage: str | None = None, launcher: str = "local") -> dict:
     """Run (or continue) a study until it holds `n_trials` finished trials or `timeout` seconds have
     passed. Returns the study name, storage, counts per state, the best trial and the best-file path.
-    Any number of these drivers, on any hosts, may run at once on one shared storage."""
+    Any number of these drivers, on any hosts, may run at once on one shared storage. `launcher="slurm"`:
+    `workers` drivers run as SLURM jobs (`launcher.*` overrides set their resources); this one creates the
+    study, waits for them and reports the result."""
     import optuna
 
+    slurm = None
+    if launcher == "slurm":
+        ours, overrides = split_overrides(overrides)
+        slurm = load_slurm_config(ours)
+        if workers < 1:
+            raise ConfigError(f"--workers={workers} is out of range: expected >= 1")
     spec = load_sweep(path, overrides)
     n_trials = spec.n_trials if n_trials is None else n_trials
     timeout = spec.timeout if timeout is None else timeout
     if n_trials < 1:
         raise ConfigError(f"--n-trials={n_trials} is out of range: expected >= 1")
     root = Path(spec.cfg.run_root).expanduser().resolve()
-    url = storage or spec.storage or f"sqlite:///{root / 'optuna.db'}"
+    url = storage or os.environ.get(STORAGE_ENV) or spec.storage or f"sqlite:///{root / 'optuna.db'}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the driver prints its own lines
 
     if not tracking_uri(spec.cfg).startswith("sqlite:"):  # a tracking server that is down: one line, now
         check_tracking(spec.cfg)
+    if slurm is not None:
+        check_cluster(slurm)
     study, rdb, parent = _open_study(spec, url)
     State = optuna.trial.TrialState
     done_states = (State.COMPLETE, State.PRUNED, State.FAIL)
@@ -161,7 +174,11 @@ def run_sweep(path: str | Path, workers: int = 1, overrides: list[str] | tuple =
     n_done = sum(1 for t in trials if t.state in done_states and t.number not in _replaced(trials))
     print(f"study {spec.study}: {n_done} of {n_trials} trials finished; storage "
           f"{url if url.startswith('sqlite') else shown_url(url)}")
-    _run_trials(study, rdb, spec, root, workers, n_trials, timeout)
+    if slurm is None:
+        _run_trials(study, rdb, spec, root, workers, n_trials, timeout)
+    else:
+        args = ["sweep", str(Path(path).resolve()), "--n-trials", str(n_trials), *overrides]
+        _run_worker_jobs(slurm, spec, root, url, workers, args + (["--timeout", str(timeout)] if timeout else []))
 
     trials = study.get_trials(deepcopy=False)
     counts = {s.name.lower(): sum(1 for t in trials if t.state == s) for s in done_states}
@@ -286,6 +303,22 @@ def _run_trials(study, storage, spec: SweepSpec, root: Path, workers: int, n_tri
     finally:  # after an interruption the pool has stopped the processes; their trials must not stay RUNNING
         for number in ids:
             fail_if_running(number)
+
+
+def _run_worker_jobs(slurm: SlurmConfig, spec: SweepSpec, root: Path, url: str, workers: int, args: list[str]) -> None:
+    """`workers` SLURM jobs, each an `empo2 sweep` driver with one worker process on the same study (its storage
+    URL passed in the job's environment, never on its command line); returns when they have all ended."""
+    jobs = {}
+    for i in range(workers):
+        log = root / spec.study / f"worker-{i}.log"
+        job_id = submit(slurm, f"{spec.study}/worker-{i}", "empo2.cli", args, log, root / spec.study / "slurm",
+                        env={STORAGE_ENV: url})
+        jobs[job_id] = (i, log)
+        print(f"  worker {i}: SLURM job {job_id} (log {log})")
+    for job_id, state in ended_jobs(list(jobs)):
+        i, log = jobs[job_id]
+        print(f"  worker {i}: SLURM job {job_id} {state}" + ("" if state in ("completed", "ended")
+                                                             else f": {last_line(log)}"))
 
 
 def _close_parent(spec: SweepSpec, run_id: str, result: dict) -> None:

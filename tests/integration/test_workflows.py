@@ -25,6 +25,7 @@ from empo2.grid import plan_grid, run_grid
 from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 from empo2.sweep import load_sweep, run_sweep
 from empo2.train import train
+from tests.slurm import JOBS, slurm_cluster  # noqa: F401 (the `slurm` fixture)
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -85,6 +86,35 @@ def test_a_second_grid_invocation_skips_every_finished_run(grid):
     assert "started" not in proc.stdout
     assert [p.stat().st_mtime_ns for p in summaries] == stamps
     assert len(_runs(grid["uri"], "mini-grid")) == 4
+
+
+@pytest.mark.slow
+def test_the_grid_submitted_to_slurm_ends_with_the_summaries_of_the_local_workers(grid, slurm, tmp_path):
+    """The same grid file as one SLURM job per run (docs/cluster.md): the same metrics and config."""
+    root = tmp_path / "runs"
+    args = ["grid", grid["file"], "--seeds", 2, *JOBS, f"run_root={root}"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **slurm.env}
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", *map(str, args), "--launcher", "slurm"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = set()
+    for preset in GRID_PRESETS:
+        for seed in (0, 1):
+            name = f"mini/{preset}-s{seed}"
+            a = json.loads((root / name / "summary.json").read_text())
+            b = json.loads((grid["root"] / name / "summary.json").read_text())
+            for key in COMPARED:
+                assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5), (name, key)
+            assert a["config"] == {**b["config"], "run_root": str(root)}
+            job = (root / name / "slurm_job").read_text().strip()
+            jobs.add(job)
+            # one line when the job is submitted and one when it ends, both with its id
+            assert f"{preset} seed {seed}: SLURM job {job} (log " in proc.stdout
+            assert f"{preset} seed {seed}: finished (SLURM job {job})" in proc.stdout
+    assert len(jobs) == 4
+    status = subprocess.run([sys.executable, "-m", "empo2.cli", *map(str, args), "--status"], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert status.returncode == 0 and status.stdout.count(": finished (SLURM job ") == 4, status.stdout
 
 
 def test_the_grid_refuses_to_skip_a_run_made_with_another_config(grid):

@@ -175,19 +175,24 @@ def check_empo2(argv: list[str]) -> None:
         if opts.get("memory", "both") not in ("on", "off", "both"):
             raise ConfigError(f"memory={opts['memory']}: expected on, off or both")
         load_config(overrides)
-    elif args.command == "grid":
+    elif args.command in ("grid", "sweep"):
         from empo2.experiments import read_yaml
         from empo2.grid import parse_seeds, plan_grid
-
-        seeds = parse_seeds(args.seeds if args.seeds is not None else read_yaml(args.file, "grid file").get("seeds", 1),
-                            "--seeds")
-        plan_grid(args.file, seeds=seeds[:1], overrides=args.overrides)  # seeds only change `seed=`
-    elif args.command == "sweep":
+        from empo2.slurm import load_slurm_config, run_overrides, split_overrides
         from empo2.sweep_spec import load_sweep
 
-        load_sweep(args.file, args.overrides)
+        ours, overrides = split_overrides(args.overrides) if args.launcher == "slurm" else ([], args.overrides)
+        overrides += run_overrides(load_slurm_config(ours))
+        if args.command == "sweep":
+            load_sweep(args.file, overrides)
+            return
+        seeds = parse_seeds(args.seeds if args.seeds is not None else read_yaml(args.file, "grid file").get("seeds", 1),
+                            "--seeds")
+        plan_grid(args.file, seeds=seeds[:1], overrides=overrides)  # seeds only change `seed=`
     elif args.command == "config":
-        describe(args.section)
+        from empo2.slurm import describe_launcher
+
+        describe_launcher() if args.section == "launcher" else describe(args.section)
 
 
 def script_options(path: Path) -> set[str]:
