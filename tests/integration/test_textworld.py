@@ -1,7 +1,6 @@
 """TextWorld adapter on real generated games: walkthroughs win, the game cache is atomic and reused,
 the step contract holds. Games are small levels, generated once into this module's cache folder."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -18,9 +17,7 @@ from empo2.envs import textworld_games as games
 from empo2.envs.base import SPLITS
 from empo2.envs.textworld import INVALID_OBS, clean_feedback
 
-needs_textworld = pytest.mark.skipif(
-    importlib.util.find_spec("textworld") is None,
-    reason="the optional textworld extra is not installed (pip install -e .[textworld])")
+needs_textworld = pytest.mark.needs("textworld")
 
 
 @pytest.fixture(scope="module", autouse=True)
