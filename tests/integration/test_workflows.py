@@ -271,7 +271,7 @@ def test_grid_files_plan_every_preset_and_seed():
                                             "no_intrinsic", "memory_only"]
 
 
-def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on():
+def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_on():
     """The paper presets set tips_in_history=false; the *_minisci_tips presets put the prior's own layout back
     (the prior refuses any other) and keep the algorithm of the preset they build on, but for top_k."""
     grid_id, runs = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips.yaml", seeds=1)

@@ -184,6 +184,19 @@ def test_group_curve_averages_runs_per_step_and_places_points_at_the_mean_x():
     assert x.tolist() == [0.0, 1.0, 2.0] and mean.tolist() == [2.0, 4.0, 7.0]
 
 
+def test_rollout_scores_by_mode_weights_each_iteration_by_its_episodes():
+    from empo2.compare import rollout_scores_by_mode
+
+    history = [{"iteration": 0, "rollout/episodes_memory": 2.0, "rollout/score_memory": 0.5,
+                "rollout/episodes_tipfree": 6.0, "rollout/score_tipfree": 0.25},
+               {"iteration": 1, "rollout/episodes_memory": 6.0, "rollout/score_memory": 0.75},
+               {"iteration": 1, "val/score_nomem": 0.9}]  # a validation row: no rollout in either mode
+    # memory: (2 x 0.5 + 6 x 0.75) / 8 = 5.5 / 8, not the plain mean 0.625 of the two iterations
+    assert rollout_scores_by_mode(history) == {"memory": (0.6875, 8), "tipfree": (0.25, 6)}
+    assert rollout_scores_by_mode(history[1:]) == {"memory": (0.75, 6), "tipfree": None}
+    assert rollout_scores_by_mode([]) == {"memory": None, "tipfree": None}
+
+
 def test_paired_difference_is_taken_over_the_seeds_both_groups_ran():
     from empo2.compare import paired_difference
     from empo2.stats import bootstrap_ci
