@@ -282,8 +282,10 @@ def test_concurrent_first_uses_generate_once_and_later_uses_read_the_cache(gener
         assert env.gold_actions() == meta["walkthrough"]
     finally:
         env.close()
+    # read, not made again: no generator call and the same file; and, measured on the same machine, a reset off the
+    # cache is quicker than the first use that generated the game (a ratio, not a clock limit)
     assert len(generations) == 1 and path.stat().st_mtime_ns == mtime
-    assert reset_s < min(first_s, 1.0), (reset_s, first_s)
+    assert reset_s < first_s, (reset_s, first_s)
     assert not list(folder.parent.glob(".*tmp-*"))
 
 
