@@ -627,6 +627,9 @@ def test_count_bonus_dtype_follows_float_counts_and_is_float32_otherwise():
     (ca.low_prob_mask, (torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool), 0.1),
      "{'logprobs': (2, 3), 'response_mask': (2, 4)}"),
     (ca.kl_penalty, (torch.zeros(2, 3), torch.zeros(3, 2)), "{'logprobs': (2, 3), 'ref_logprobs': (3, 2)}"),
+    (ca.agg_loss, (torch.zeros(2, 3), torch.ones(2, 2)), "{'loss_mat': (2, 3), 'mask': (2, 2)}"),
+    (lambda *a: ca.agg_loss(*a, response_mask=torch.ones(3, 3)), (torch.zeros(2, 3), torch.ones(2, 3)),
+     "{'loss_mat': (2, 3), 'response_mask': (3, 3)}"),
 ])
 def test_shape_mismatches_name_both_tensors(fn, args, shapes):
     with pytest.raises(ValueError) as e:
@@ -653,12 +656,15 @@ def test_empty_mode_draws_are_fine_and_negative_sizes_are_refused():
             ca.draw_memory_modes(*sizes, 0.5, "step", _gen(0))
 
 
-def test_defaults_are_the_token_mask_and_the_k1_estimator():
+def test_defaults_are_the_token_mask_the_k1_estimator_and_the_token_mean():
     logprobs = torch.log(torch.tensor([[0.5, 0.01]]))  # the second token fails delta=0.1, the first passes
     valid = torch.ones(1, 2, dtype=torch.bool)
     assert ca.low_prob_mask(logprobs, valid, 0.1).tolist() == [[True, False]]  # token mode, not sequence
     ref = torch.tensor([[0.0, -1.0]])
     assert ca.kl_penalty(logprobs, ref).tolist() == ca.kl_penalty(logprobs, ref, "k1").tolist()
+    # token-mean: (1 + 2 + 3) / 3 tokens = 2; the sequence means would give (1.5 + 3) / 2 or (3 + 3) / 2
+    loss, mask = torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[True, True], [True, False]])
+    assert ca.agg_loss(loss, mask).item() == 2.0
 
 
 def test_k3_clamps_a_huge_log_ratio_at_20():

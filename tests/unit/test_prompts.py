@@ -231,3 +231,8 @@ def test_the_tip_request_has_its_own_budget(tok):
     assert "hallway 0" not in tok.decode(short.build_tip_request(TASK, turns, "The end."))
     assert all(f"hallway {i}" in tok.decode(roomy.build_tip_request(TASK, turns, "The end.")) for i in range(12))
     assert roomy.build(TASK, turns, "x").ids == short.build(TASK, turns, "x").ids  # action prompts unchanged
+
+
+def test_the_tip_request_asks_for_at_most_100_words_by_default(tok):
+    request = tok.decode(PromptBuilder(tok).build_tip_request(TASK, history(1), "The end."))
+    assert tip_request_message(100)["content"] in request

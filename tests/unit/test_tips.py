@@ -139,6 +139,16 @@ def test_tip_request_is_one_user_turn_with_the_word_limit():
     assert "40 words" in tip_request_message(max_words=40)["content"]
 
 
+def test_tip_request_wording_is_the_one_the_shipped_priors_know():
+    """The shipped priors' vocabularies were built from this text (`prior.py`): a changed word, even its case,
+    would reach them as unknown pieces."""
+    assert tip_request_message(1)["content"] == (
+        "The episode is over. In one line of at most 1 words, summarise what happened in this episode, what you "
+        "learned, and how far the task is from being completed. Reply with that line only.")
+    with pytest.raises(ValueError, match="max_words must be >= 1, got 0"):
+        tip_request_message(0)
+
+
 def test_step_entry_uses_released_format():
     assert (step_entry_text("heat the pot", "open door\nto kitchen", 85.0)
             == "heat the pot; at that timestep the action taken was open door to kitchen; final score 85/100")
