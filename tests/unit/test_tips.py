@@ -153,6 +153,7 @@ def test_step_entry_uses_released_format():
     assert (step_entry_text("heat the pot", "open door\nto kitchen", 85.0)
             == "heat the pot; at that timestep the action taken was open door to kitchen; final score 85/100")
     assert step_entry_text("t", "look", 33.5).endswith("final score 33.5/100")
+    assert step_entry_text("t", "look", 85).endswith("final score 85/100")  # an int score prints as itself
 
 
 def test_episode_entries_per_episode_and_per_step():
@@ -162,7 +163,7 @@ def test_episode_entries_per_episode_and_per_step():
     texts, metas = episode_entries("tip", meta, per_step=True, actions=["look", "go north"])
     assert texts == [step_entry_text("tip", "look", 40.0), step_entry_text("tip", "go north", 40.0)]
     assert [m["step"] for m in metas] == [0, 1] and metas[1]["action"] == "go north"
-    with pytest.raises(ValueError, match="score"):
+    with pytest.raises(ValueError, match=r"^per-step entries need a score or meta\['episode_return'\]$"):
         episode_entries("tip", {"task": "boil"}, per_step=True, actions=["look"])
 
 
