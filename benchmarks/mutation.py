@@ -1,5 +1,6 @@
 """Mutation testing of the algorithm math, the tips, the tip memory and the prompt builder, against their fast
-tests, with mutmut (pinned below; installed into the running environment when another version or none is there).
+tests, with mutmut (pyproject.toml's `mutation` extra; installed into the running environment when another
+version or none is there).
 Not part of `make test`: it runs each module's tests once per mutant, which takes long on a small machine.
 
     python benchmarks/mutation.py                     # run, or continue the last run, then print the scores
@@ -20,11 +21,12 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MUTMUT = "mutmut==3.8.1"
+MUTMUT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["mutation"][0]
 BIN = Path(sys.executable).parent
 CAUGHT = ("killed", "timeout")
 GOAL = {"empo2.core_algos": 0.95}  # the others: 0.85
