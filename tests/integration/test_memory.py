@@ -389,3 +389,54 @@ def test_export_then_merge_copies_tips():
     copy.merge(*memory.export())
     assert [r.text for r in copy.records()] == [r.text for r in memory.records()]
     assert copy.search(vecs, "t/0") == memory.search(vecs, "t/0")
+
+
+def _kept_of_duplicates(first: dict, second: dict) -> dict:
+    """Merges one text twice under two metas, in both arrival orders (same vector, so only the metas decide);
+    both orders must keep the same one, whose meta is returned."""
+    vecs = unit(np.random.default_rng(3), 1).repeat(2, axis=0)
+    kept = []
+    for metas in ([first, second], [second, first]):
+        memory = TipMemory(dim=16, namespace="task")
+        memory.merge(["the same tip", "the same tip"], vecs, metas)
+        (record,) = memory.records()
+        kept.append(record.meta())
+    assert kept[0] == kept[1], kept
+    return kept[0]
+
+
+@pytest.mark.parametrize("field, first, second", [
+    ("step", None, 0),  # an episode's entry (no step) before its steps'
+    ("step", 1, 2),
+    ("variation", 1, 2),
+    ("action", None, "A"),  # no action sorts as "", before any action
+    ("action", "a", "b"),
+])
+def test_merge_keeps_the_duplicate_that_sorts_first(field, first, second):
+    base = {"task": "t", "variation": 0, "episode_return": 1.0}
+    kept = _kept_of_duplicates({**base, field: first}, {**base, field: second})
+    assert kept[field] == first
+
+
+def test_merge_orders_by_namespace_before_text():
+    vecs = unit(np.random.default_rng(4), 2)
+    metas = [{"task": "a", "variation": 0}, {"task": "b", "variation": 0}]
+    for order in ([0, 1], [1, 0]):
+        memory = TipMemory(dim=16, namespace="task")
+        memory.merge([["z tip", "a tip"][i] for i in order], vecs[order], [metas[i] for i in order])
+        assert [(r.id, r.task) for r in memory.records()] == [(0, "a"), (1, "b")]
+
+
+def test_merge_and_export_errors_and_edges_by_hand():
+    memory = TipMemory(dim=16, namespace="task")
+    assert memory.size("nowhere") == 0 and memory.index_slots("nowhere") == 0
+    with pytest.raises(ValueError, match=r"^merge needs one vector and one meta per text: got 1 texts, 2 vectors, "
+                                         r"1 metas$"):
+        memory.merge(["a"], unit(np.random.default_rng(5), 2), [{"task": "t"}])
+    with pytest.raises(ValueError, match=r"^vectors contain a zero vector"):
+        memory.merge(["a"], np.zeros((1, 16)), [{"task": "t"}])
+    with pytest.raises(TypeError, match=r"^metas\[1\]\['task'\] must be str"):
+        memory.merge(["a", "b"], unit(np.random.default_rng(6), 2), [{"task": "t"}, {"task": 3}])
+    ids = memory.add(["a", "b"], unit(np.random.default_rng(7), 2), [{"task": "t"}, {"task": "t"}])
+    texts, vecs, metas = memory.export([ids[1]])
+    assert texts == ["b"] and vecs.shape == (1, 16) and metas[0]["task"] == "t"
