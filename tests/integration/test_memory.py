@@ -439,4 +439,4 @@ def test_merge_and_export_errors_and_edges_by_hand():
         memory.merge(["a", "b"], unit(np.random.default_rng(6), 2), [{"task": "t"}, {"task": 3}])
     ids = memory.add(["a", "b"], unit(np.random.default_rng(7), 2), [{"task": "t"}, {"task": "t"}])
     texts, vecs, metas = memory.export([ids[1]])
-    assert texts == ["b"] and vecs.shape == (1, 16) and metas[0]["task"] == "t"
+    assert texts == ["b"] and vecs.shape == (1, 16) and vecs.dtype == np.float32 and metas[0]["task"] == "t"

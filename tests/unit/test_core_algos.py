@@ -673,3 +673,10 @@ def test_k3_clamps_a_huge_log_ratio_at_20():
     assert out.item() == pytest.approx(math.exp(-20.0) + 19.0, rel=1e-6)
     out = ca.kl_penalty(torch.tensor([[0.0]]), torch.tensor([[30.0]]), "k3")  # and from above: exp(20) - 21
     assert out.item() == pytest.approx(math.exp(20.0) - 21.0, rel=1e-6)
+
+
+def test_given_counts_of_one_divide_by_one():
+    # one valid token / one response in the whole mini-batch: the loss is that token's, not half of it
+    loss, mask = torch.tensor([[3.0]]), torch.tensor([[True]])
+    assert ca.agg_loss(loss, mask, "token-mean", num_tokens=1).item() == 3.0
+    assert ca.agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=1).item() == 3.0
