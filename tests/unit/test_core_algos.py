@@ -680,3 +680,27 @@ def test_given_counts_of_one_divide_by_one():
     loss, mask = torch.tensor([[3.0]]), torch.tensor([[True]])
     assert ca.agg_loss(loss, mask, "token-mean", num_tokens=1).item() == 3.0
     assert ca.agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=1).item() == 3.0
+
+
+def test_group_advantages_errors_name_the_problem():
+    ids = torch.tensor([0, 0])
+    with pytest.raises(ValueError, match=r"^returns must be 1-D \(R,\), got shape \(2, 2\)$"):
+        ca.group_advantages(torch.zeros(2, 2), ids)
+    with pytest.raises(ValueError, match=r"^group_ids must be an integer tensor, got torch.bool$"):
+        ca.group_advantages(torch.zeros(2), torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"^eps must be >= 0, got -1.0$"):
+        ca.group_advantages(torch.zeros(2), ids, eps=-1.0)
+    assert ca.group_advantages(torch.tensor([1.0, 3.0]), ids, eps=0.0).tolist() == pytest.approx([-0.5 ** 0.5,
+                                                                                                  0.5 ** 0.5])
+
+
+def test_group_means_are_taken_in_float64():
+    # 2^24 and 2^24 + 2 are float32 numbers, their float32 sum is not: the mean must come out as 2^24 + 1
+    adv = ca.group_advantages(torch.tensor([16777216.0, 16777218.0]), torch.tensor([0, 0]))
+    assert adv.tolist() == pytest.approx([-0.5 ** 0.5, 0.5 ** 0.5], rel=1e-5)
+
+
+def test_equal_negative_returns_give_exactly_zero():
+    # -0.1 three times has a mean that rounds off -0.1: only the max == min test makes these exactly 0
+    returns = torch.tensor([-0.1, -0.1, -0.1], dtype=torch.float64)
+    assert ca.group_advantages(returns, torch.tensor([0, 0, 0])).tolist() == [0.0, 0.0, 0.0]

@@ -204,8 +204,8 @@ def test_nonprintable_share_of_exactly_a_tenth_is_kept_and_cleaned():
 
 def test_one_word_tips_and_exact_type_errors():
     assert sanitize_tip("go north", max_words=1) == "go"
-    with pytest.raises(TypeError, match=r"^tip text must be str, got NoneType$"):
-        sanitize_tip(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^tip text must be str, got int$"):
+        sanitize_tip(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^expected str, got int$"):
         clean_line(3)  # type: ignore[arg-type]
 
