@@ -440,3 +440,12 @@ def test_merge_and_export_errors_and_edges_by_hand():
     ids = memory.add(["a", "b"], unit(np.random.default_rng(7), 2), [{"task": "t"}, {"task": "t"}])
     texts, vecs, metas = memory.export([ids[1]])
     assert texts == ["b"] and vecs.shape == (1, 16) and vecs.dtype == np.float32 and metas[0]["task"] == "t"
+
+
+def test_rank_by_score_breaks_a_tie_in_return_by_similarity():
+    e = np.eye(16, dtype=np.float32)
+    query = e[:1]
+    vecs = np.stack([e[0] + e[1], e[0] + 0.1 * e[1]])  # cosines 0.71 and 0.995 to the query, the same return
+    memory = TipMemory(dim=16, rank_by="score", top_k=2, min_sim=0.0)
+    memory.add(["less similar", "more similar"], vecs, [{"task": "t", "variation": 0, "episode_return": 5.0}] * 2)
+    assert [r.text for r, _ in memory.search(query, "t/0")[0]] == ["more similar", "less similar"]

@@ -236,3 +236,15 @@ def test_the_tip_request_has_its_own_budget(tok):
 def test_the_tip_request_asks_for_at_most_100_words_by_default(tok):
     request = tok.decode(PromptBuilder(tok).build_tip_request(TASK, history(1), "The end."))
     assert tip_request_message(100)["content"] in request
+
+
+def test_history_turns_keeps_the_tips_of_the_turns_it_keeps(tok):
+    builder = PromptBuilder(tok, history_turns=1)
+    text = tok.decode(builder.build(TASK, history(3), "You see a frog.", history_tips=[None, None, TIPS]).ids)
+    assert "hallway 2" in text and "hallway 1" not in text and all(t in text for t in TIPS)
+
+
+def test_an_empty_system_prompt_means_no_system_message(tok):
+    prompt = PromptBuilder(tok, system_prompt="").build(TASK, [], "You see a frog.")
+    messages = [{"role": "user", "content": TASK}, {"role": "user", "content": "You see a frog."}]
+    assert tok.decode(prompt.ids) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
