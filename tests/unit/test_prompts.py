@@ -248,3 +248,19 @@ def test_an_empty_system_prompt_means_no_system_message(tok):
     prompt = PromptBuilder(tok, system_prompt="").build(TASK, [], "You see a frog.")
     messages = [{"role": "user", "content": TASK}, {"role": "user", "content": "You see a frog."}]
     assert tok.decode(prompt.ids) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_truncation_drops_the_fewest_turns_at_exact_budgets(tok):
+    turns, obs = history(4), "You see a frog."
+
+    def built(kept, budget=10**6):
+        return PromptBuilder(tok, max_prompt_tokens=budget).build(TASK, kept, obs).ids
+
+    full = built(turns)
+    assert built(turns, len(full)) == full  # a prompt of exactly the budget fits
+    assert built(turns, len(full) - 1) == built(turns[1:])  # one token over: the oldest turn goes
+    for drop in (1, 2, 3, 4):  # a budget of exactly the prompt without the `drop` oldest turns keeps the rest
+        kept = built(turns[drop:])
+        assert built(turns, len(kept)) == kept, drop
+    bare = built([])  # no turn left and one token over: the observation loses one token, nothing more
+    assert len(built(turns, len(bare) - 1)) == len(bare) - 1
