@@ -449,3 +449,11 @@ def test_rank_by_score_breaks_a_tie_in_return_by_similarity():
     memory = TipMemory(dim=16, rank_by="score", top_k=2, min_sim=0.0)
     memory.add(["less similar", "more similar"], vecs, [{"task": "t", "variation": 0, "episode_return": 5.0}] * 2)
     assert [r.text for r, _ in memory.search(query, "t/0")[0]] == ["more similar", "less similar"]
+
+
+def test_a_batch_dedups_within_a_namespace_only_and_names_a_bad_meta_by_position():
+    memory = TipMemory(dim=16, namespace="task")
+    ids = memory.add(["same tip", "same tip"], unit(np.random.default_rng(8), 2), [{"task": "a"}, {"task": "b"}])
+    assert len(ids) == 2 and sorted(r.task for r in memory.records()) == ["a", "b"]
+    with pytest.raises(TypeError, match=r"^metas\[1\]\['task'\] must be str"):
+        memory.add(["x", "y"], unit(np.random.default_rng(9), 2), [{"task": "a"}, {"task": 3}])
