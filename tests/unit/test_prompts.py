@@ -264,3 +264,10 @@ def test_truncation_drops_the_fewest_turns_at_exact_budgets(tok):
         assert built(turns, len(kept)) == kept, drop
     bare = built([])  # no turn left and one token over: the observation loses one token, nothing more
     assert len(built(turns, len(bare) - 1)) == len(bare) - 1
+
+
+def test_a_budget_too_small_for_the_template_names_its_setting(tok):
+    with pytest.raises(ValueError, match=r"^max_request_tokens=5 cannot hold even the system prompt"):
+        PromptBuilder(tok, max_request_tokens=5).build_tip_request(TASK, history(1), "The end.")
+    with pytest.raises(ValueError, match=r"^max_prompt_tokens=5 cannot hold even the system prompt"):
+        PromptBuilder(tok, max_prompt_tokens=5).build(TASK, history(1), "The end.")
