@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint mutation clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+# mutation testing of core_algos, the tips, the tip memory and the prompts (not part of `make test`): docs/testing.md
+mutation: $(STAMP)
+	$(PY) benchmarks/mutation.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check empo2 tests benchmarks research

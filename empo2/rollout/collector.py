@@ -266,7 +266,7 @@ class RolloutCollector:
                                                    turn_tips[i] if s.tips_in_history else None)
                     for i in range(len(trajs))]
         params = SamplingParams(temperature=s.tip_temperature, top_p=1.0, max_new_tokens=s.tip_max_new_tokens,
-                                stop_at_newline=False)
+                                stop_at_newline=False, kind="tip")
         t0 = time.perf_counter()
         gens = self.engine.generate(requests, params, seed=self._seed(generator))
         timing["tips"] += time.perf_counter() - t0  # tip generation; sanitising and embedding count as memory

@@ -194,12 +194,8 @@ def test_evaluation_mode_writes_no_tips_and_counts_no_visits(policy, embedder):
     assert not any(s.memory for s in batch.samples)
 
 
+@pytest.mark.needs("scienceworld", "java")
 def test_a_short_scienceworld_batch_on_the_real_jvm(policy, embedder):
-    pytest.importorskip("scienceworld")
-    import shutil
-
-    if shutil.which("java") is None:
-        pytest.skip("java 17 is needed for ScienceWorld")
     model, tok = policy
     envs = [make_env("scienceworld", max_steps=3) for _ in range(2)]
     try:
@@ -327,21 +323,46 @@ def test_no_query_is_embedded_for_a_namespace_without_tips(policy, embedder):
     assert "rollout/score_tipfree" not in batch.stats  # every rollout carried tips
 
 
+def tips_shown_not_returned_for_a_tip_request(collector, tok) -> tuple[set[str], set[str]]:
+    """Two collections, the second retrieving what the first wrote: the tips its prompts show, and those of them
+    that are not the (sanitised) decoding of token ids the engine returned for a tip request (`StopTokens.returned`,
+    the engine's own record, apart from anything the collector keeps)."""
+    from empo2.memory import sanitize_tip
+
+    returned = collector.engine.stops.keep_record()
+    collect(collector)
+    second = collect(collector, seed=1, iteration=1)
+    s = collector.settings
+    written = {sanitize_tip(tok.decode(ids, skip_special_tokens=True).strip(), s.max_tip_words, tok.all_special_tokens)
+               for kind, ids in returned if kind == "tip"}
+    shown = set()
+    for sample in second.samples:
+        text = tok.decode(sample.behaviour_ids)
+        shown |= {line[len("<tip>"):-len("</tip>")] for line in text.splitlines()
+                  if line.startswith("<tip>") and line.endswith("</tip>")}
+    return shown, shown - written
+
+
 def test_every_tip_in_a_prompt_was_written_by_the_policy(policy, embedder):
     """At run time the memory holds only what the policy wrote: no environment state reaches a prompt
     through a tip (the priors' hindsight tips exist only in their training data)."""
     _, tok = policy
-    c = make_collector(policy, embedder, p=1.0, q=0.0, min_sim=-1.0)
-    first = collect(c)
-    written = {tr.tip for tr in first.trajectories if tr.tip is not None}
-    assert written, "the tiny policy wrote no acceptable tip in this seed; pick another"
-    second = collect(c, seed=1, iteration=1)
-    shown = set()
-    for s in second.samples:
-        text = tok.decode(s.behaviour_ids)
-        shown |= {line[len("<tip>"):-len("</tip>")] for line in text.splitlines()
-                  if line.startswith("<tip>") and line.endswith("</tip>")}
-    assert shown and shown <= written
+    shown, foreign = tips_shown_not_returned_for_a_tip_request(make_collector(policy, embedder, p=1.0, q=0.0,
+                                                                              min_sim=-1.0), tok)
+    assert shown, "no tip reached a prompt in this seed; pick another"
+    assert foreign == set()
+
+
+def test_a_tip_the_policy_did_not_write_is_caught(policy, embedder, monkeypatch):
+    """The mutant the check above exists for: the collector stores a tip the policy did not write (a fixed text,
+    standing for one built from the task and the observation)."""
+    import empo2.rollout.collector as collector_module
+
+    _, tok = policy
+    monkeypatch.setattr(collector_module, "sanitize_tip", lambda text, *a: "find the living thing")
+    shown, foreign = tips_shown_not_returned_for_a_tip_request(make_collector(policy, embedder, p=1.0, q=0.0,
+                                                                              min_sim=-1.0), tok)
+    assert shown and foreign == shown
 
 
 class RecordingEngine(HFEngine):

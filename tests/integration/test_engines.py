@@ -114,6 +114,20 @@ def test_finish_cuts_after_the_first_stop_and_keeps_text_before_the_newline(poli
     assert len(capped.token_ids) == 2 and not capped.finished
 
 
+def test_the_record_of_returned_responses_is_opt_in_and_exact(policy, prompts):
+    """`StopTokens.returned`: off until asked for; then each response the engine gives out, with its request kind,
+    in call order and prompt order."""
+    engine = HFEngine(*policy)
+    engine.generate(prompts[:1], GREEDY)
+    assert engine.stops.returned is None
+    returned = engine.stops.keep_record()
+    acts = engine.generate(prompts[:3], GREEDY)
+    tips = engine.generate(prompts[3:], SamplingParams(temperature=0.0, max_new_tokens=5, kind="tip"))
+    assert returned == [("action", g.token_ids) for g in acts] + [("tip", g.token_ids) for g in tips]
+    with pytest.raises(ValueError, match="kind must be 'action' or 'tip'"):
+        SamplingParams(kind="hint")
+
+
 def test_seeded_sampling_is_reproducible_and_leaves_the_callers_rng_alone(policy, prompts):
     model, tok = policy
     engine = HFEngine(model, tok, max_batch_size=2)

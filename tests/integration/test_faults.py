@@ -8,7 +8,6 @@ The kills are real: training runs as `python -m empo2.cli train` and `EMPO2_FAUL
 import json
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -240,7 +239,7 @@ class KillJvmMidEpisode(L.Callback):
         env.reset, env.step = reset, step
 
 
-@pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs `java` on PATH")
+@pytest.mark.needs("scienceworld", "java")
 def test_a_jvm_killed_mid_episode_fails_that_episode_and_training_goes_on(tmp_path):
     cfg = load_config(FAST + ["env=scienceworld", "env.tasks=[find-living-thing]", "env.max_steps=4",
                               "rollout.tasks_per_batch=1", "trainer.val_every=2", f"run_root={tmp_path}",

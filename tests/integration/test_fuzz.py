@@ -3,7 +3,6 @@ and the prompt builder. Nothing may crash, and no special token may come out of 
 observation, a tip or an action can never forge a chat turn."""
 
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -113,7 +112,7 @@ def test_minisci_takes_any_text_as_an_action():
                 env.reset(task=task, variation=cat.split(task, "train")[0])
 
 
-@pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs `java` on PATH")
+@pytest.mark.needs("scienceworld", "java")
 def test_scienceworld_takes_any_text_as_an_action_without_failing_the_episode():
     """Model text must never take the simulator down: each input is an action (maybe corrected) or invalid,
     never an env_error or a JVM restart."""

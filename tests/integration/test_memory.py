@@ -410,3 +410,71 @@ def test_export_then_merge_copies_tips():
     copy.merge(*memory.export())
     assert [r.text for r in copy.records()] == [r.text for r in memory.records()]
     assert copy.search(vecs, "t/0") == memory.search(vecs, "t/0")
+
+
+def _kept_of_duplicates(first: dict, second: dict) -> dict:
+    """Merges one text twice under two metas, in both arrival orders (same vector, so only the metas decide);
+    both orders must keep the same one, whose meta is returned."""
+    vecs = unit(np.random.default_rng(3), 1).repeat(2, axis=0)
+    kept = []
+    for metas in ([first, second], [second, first]):
+        memory = TipMemory(dim=16, namespace="task")
+        memory.merge(["the same tip", "the same tip"], vecs, metas)
+        (record,) = memory.records()
+        kept.append(record.meta())
+    assert kept[0] == kept[1], kept
+    return kept[0]
+
+
+@pytest.mark.parametrize("field, first, second", [
+    ("step", None, 0),  # an episode's entry (no step) before its steps'
+    ("step", 1, 2),
+    ("variation", 1, 2),
+    ("action", None, "A"),  # no action sorts as "", before any action
+    ("action", "a", "b"),
+])
+def test_merge_keeps_the_duplicate_that_sorts_first(field, first, second):
+    base = {"task": "t", "variation": 0, "episode_return": 1.0}
+    kept = _kept_of_duplicates({**base, field: first}, {**base, field: second})
+    assert kept[field] == first
+
+
+def test_merge_orders_by_namespace_before_text():
+    vecs = unit(np.random.default_rng(4), 2)
+    metas = [{"task": "a", "variation": 0}, {"task": "b", "variation": 0}]
+    for order in ([0, 1], [1, 0]):
+        memory = TipMemory(dim=16, namespace="task")
+        memory.merge([["z tip", "a tip"][i] for i in order], vecs[order], [metas[i] for i in order])
+        assert [(r.id, r.task) for r in memory.records()] == [(0, "a"), (1, "b")]
+
+
+def test_merge_and_export_errors_and_edges_by_hand():
+    memory = TipMemory(dim=16, namespace="task")
+    assert memory.size("nowhere") == 0 and memory.index_slots("nowhere") == 0
+    with pytest.raises(ValueError, match=r"^merge needs one vector and one meta per text: got 1 texts, 2 vectors, "
+                                         r"1 metas$"):
+        memory.merge(["a"], unit(np.random.default_rng(5), 2), [{"task": "t"}])
+    with pytest.raises(ValueError, match=r"^vectors contain a zero vector"):
+        memory.merge(["a"], np.zeros((1, 16)), [{"task": "t"}])
+    with pytest.raises(TypeError, match=r"^metas\[1\]\['task'\] must be str"):
+        memory.merge(["a", "b"], unit(np.random.default_rng(6), 2), [{"task": "t"}, {"task": 3}])
+    ids = memory.add(["a", "b"], unit(np.random.default_rng(7), 2), [{"task": "t"}, {"task": "t"}])
+    texts, vecs, metas = memory.export([ids[1]])
+    assert texts == ["b"] and vecs.shape == (1, 16) and vecs.dtype == np.float32 and metas[0]["task"] == "t"
+
+
+def test_rank_by_score_breaks_a_tie_in_return_by_similarity():
+    e = np.eye(16, dtype=np.float32)
+    query = e[:1]
+    vecs = np.stack([e[0] + e[1], e[0] + 0.1 * e[1]])  # cosines 0.71 and 0.995 to the query, the same return
+    memory = TipMemory(dim=16, rank_by="score", top_k=2, min_sim=0.0)
+    memory.add(["less similar", "more similar"], vecs, [{"task": "t", "variation": 0, "episode_return": 5.0}] * 2)
+    assert [r.text for r, _ in memory.search(query, "t/0")[0]] == ["more similar", "less similar"]
+
+
+def test_a_batch_dedups_within_a_namespace_only_and_names_a_bad_meta_by_position():
+    memory = TipMemory(dim=16, namespace="task")
+    ids = memory.add(["same tip", "same tip"], unit(np.random.default_rng(8), 2), [{"task": "a"}, {"task": "b"}])
+    assert len(ids) == 2 and sorted(r.task for r in memory.records()) == ["a", "b"]
+    with pytest.raises(TypeError, match=r"^metas\[1\]\['task'\] must be str"):
+        memory.add(["x", "y"], unit(np.random.default_rng(9), 2), [{"task": "a"}, {"task": 3}])

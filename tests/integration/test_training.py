@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from empo2.config import load_config
+from empo2.lit.data import collate
+from empo2.rollout.types import StepSample
 from empo2.train import train
 
 FAST = ["model=tiny", "logger=none", "trainer.iterations=2", "trainer.mini_batch_size=4",
@@ -119,17 +121,66 @@ def test_ddp_on_two_cpu_processes_keeps_ranks_identical(tmp_path):
     assert summary["config"]["trainer"]["strategy"] == "ddp"
 
 
+class ReferenceProbe(L.Callback):
+    """Scores one fixed response under the policy and under the module's KL reference, before the first update
+    and after the last: `before` is the initial policy, which the reference must go on scoring exactly."""
+
+    def __init__(self):
+        sample = StepSample(behaviour_ids=[5, 9, 14, 3, 7], train_ids=[5, 9, 14, 3, 7], response_ids=[11, 4, 2],
+                            memory=False, offpolicy=False, group_id=0, traj_id=0, step=0)
+        self.sample, self.scores = sample, {}
+
+    @torch.no_grad()
+    def _score(self, module, when):
+        batch = collate([self.sample], module.pad_id)
+        was_training = module.policy.training
+        module.policy.eval()  # LoRA dropout off: the same weights score the same
+        self.scores[f"policy_{when}"] = module.response_logprobs(batch)
+        self.scores[f"ref_{when}"] = module.ref_logprobs(batch)
+        module.policy.train(was_training)
+
+    def on_fit_start(self, trainer, pl_module):
+        self._score(pl_module, "before")
+
+    def on_train_end(self, trainer, pl_module):
+        self._score(pl_module, "after")
+
+
+def kl_reference_problems(tmp_path, lora: int) -> list[str]:
+    """Trains one iteration with a KL penalty and lists what is wrong with its reference: it must score as the
+    initial policy after the policy has moved, and the logged KL to it must then be positive."""
+    import mlflow
+
+    probe = ReferenceProbe()
+    cfg = load_config(FAST + ["trainer.iterations=1", "algo.kl_coef=0.1", f"model.lora_r={lora}",
+                              f"run_root={tmp_path}", "run_name=kl", "logger=mlflow"])
+    summary = train(cfg, callbacks=[probe])
+    s = probe.scores
+    assert not torch.allclose(s["policy_after"], s["policy_before"], atol=1e-4), "the policy did not move"
+    problems = []
+    if not torch.equal(s["ref_before"], s["policy_before"]):
+        problems.append("the reference does not start as the policy")
+    if not torch.allclose(s["ref_after"], s["policy_before"], rtol=0, atol=1e-6):
+        problems.append("the reference moved with the policy")
+    kl = mlflow.MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"]).data.metrics
+    if not kl.get("actor/kl_ref", 0.0) > 0.0:  # k3 is > 0 wherever the policy differs from the reference
+        problems.append(f"actor/kl_ref is {kl.get('actor/kl_ref')}, not > 0, after the policy moved")
+    return problems
+
+
 @pytest.mark.parametrize("lora", [0, 4])
 def test_kl_to_a_frozen_reference_is_logged_and_the_reference_stays_frozen(tmp_path, lora):
     """Full weights: a frozen copy; LoRA: the same model with its adapters off."""
-    cfg = load_config(FAST + ["trainer.iterations=1", "algo.kl_coef=0.1", f"model.lora_r={lora}",
-                              f"run_root={tmp_path}", "run_name=kl", "logger=mlflow"])
-    summary = train(cfg)
-    import mlflow
+    assert kl_reference_problems(tmp_path, lora) == []
 
-    run = mlflow.MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"])
-    assert "actor/kl_ref" in run.data.metrics
-    assert run.data.metrics["actor/kl_ref"] >= 0.0  # k3 estimator is non-negative
+
+def test_a_reference_that_scores_the_live_policy_is_caught(tmp_path, monkeypatch):
+    """The mutant the check above exists for: a reference that is the live policy (KL always 0)."""
+    from empo2.lit.module import EMPO2Module
+
+    monkeypatch.setattr(EMPO2Module, "ref_logprobs", torch.no_grad()(EMPO2Module.response_logprobs))
+    assert set(kl_reference_problems(tmp_path, 0)) == {
+        "the reference moved with the policy", "actor/kl_ref is 0.0, not > 0, after the policy moved"}
 
 
 def test_resume_from_an_explicit_checkpoint_path(tmp_path):

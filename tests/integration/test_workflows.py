@@ -308,7 +308,7 @@ def test_grid_files_plan_every_preset_and_seed():
                                             "no_intrinsic", "memory_only"]
 
 
-def test_the_live_memory_headline_runs_its_prior_on_the_layout_it_was_trained_on():
+def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_on():
     """The paper presets set tips_in_history=false; the *_minisci_tips presets put the prior's own layout back
     (the prior refuses any other) and keep the algorithm of the preset they build on, but for top_k."""
     grid_id, runs = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips.yaml", seeds=1)
@@ -436,18 +436,18 @@ def test_machine_mistakes_exit_2_with_one_line_fast_and_leave_no_run_folder(tmp_
     file.write_text("")
     fill = {"root": root, "file": file}
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", PATH=_no_java_path(tmp_path))
-    t0 = time.monotonic()
     # vllm is installed here: the vllm case runs the CLI as on a machine without it (the import system finds none)
     cli = ["-c", "import sys; sys.modules['vllm'] = None; from empo2.cli import main; sys.exit(main(sys.argv[1:]))"] \
         if "vllm" in needle else ["-m", "empo2.cli"]
-    proc = subprocess.run([sys.executable, *cli, "train", "model=tiny", f"run_root={root}",
+    # -X importtime lists every module the process imported: "fast" is judged by what it did, not by a clock
+    proc = subprocess.run([sys.executable, "-X", "importtime", *cli, "train", "model=tiny", f"run_root={root}",
                            *(a.format(**fill) for a in args)], capture_output=True, text=True, timeout=120, env=env)
-    seconds = time.monotonic() - t0
+    imported = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith("import time:")]
     assert len(lines) == 1 and needle.format(**fill) in lines[0], lines
     assert not root.exists() or not any(root.iterdir()), "a failed start left a run folder"
-    assert seconds < 20, f"{seconds:.1f} s to report a config mistake"  # ~3 s alone; generous for a busy CI
+    assert "torch" in imported and not {"lightning", "transformers", "mlflow"} & imported  # refused before them
 
 
 def test_ctrl_c_reports_the_last_iteration_and_the_resume_command_and_exits_130(tmp_path):

@@ -631,3 +631,101 @@ def test_agg_loss_counts_masked_tokens_as_zero_loss_tokens_by_hand():
     # one micro-batch of a mini-batch of 10 valid tokens and 4 responses
     assert ca.agg_loss(loss_mat, keep, "token-mean", valid, num_tokens=10).item() == pytest.approx(8 / 10)
     assert ca.agg_loss(loss_mat, keep, "seq-mean-token-sum", valid, num_seqs=4).item() == pytest.approx(8 / 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# edges the mutation run (docs/testing.md) found unchecked
+# ----------------------------------------------------------------------------------------------
+
+
+def test_count_bonus_dtype_follows_float_counts_and_is_float32_otherwise():
+    assert ca.count_bonus(torch.tensor([2, 0])).tolist() == [0.5, 1.0]
+    assert ca.count_bonus(torch.tensor([2, 0])).dtype == torch.float32
+    double = ca.count_bonus(torch.tensor([3.0], dtype=torch.float64))
+    assert double.dtype == torch.float64 and double.item() == 1.0 / 3.0  # float64 all the way, not rounded
+    half = ca.count_bonus(torch.tensor([3.0], dtype=torch.float16))  # promoted, so 1/3 to float32 precision
+    assert half.dtype == torch.float32 and half.item() == torch.tensor(1.0 / 3.0, dtype=torch.float32).item()
+
+
+@pytest.mark.parametrize("fn, args, shapes", [
+    (ca.mix_returns, (torch.zeros(3), torch.zeros(2), 0.5), "{'ext_returns': (3,), 'intrinsic_sums': (2,)}"),
+    (ca.low_prob_mask, (torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool), 0.1),
+     "{'logprobs': (2, 3), 'response_mask': (2, 4)}"),
+    (ca.kl_penalty, (torch.zeros(2, 3), torch.zeros(3, 2)), "{'logprobs': (2, 3), 'ref_logprobs': (3, 2)}"),
+    (ca.agg_loss, (torch.zeros(2, 3), torch.ones(2, 2)), "{'loss_mat': (2, 3), 'mask': (2, 2)}"),
+    (lambda *a: ca.agg_loss(*a, response_mask=torch.ones(3, 3)), (torch.zeros(2, 3), torch.ones(2, 3)),
+     "{'loss_mat': (2, 3), 'response_mask': (3, 3)}"),
+])
+def test_shape_mismatches_name_both_tensors(fn, args, shapes):
+    with pytest.raises(ValueError) as e:
+        fn(*args)
+    assert str(e.value) == f"shape mismatch: {shapes}"
+
+
+def test_beta_schedule_of_one_step_starts_at_start():
+    assert ca.beta_at(0, 1, 0.8, 0.2) == 0.8 and ca.beta_at(1, 1, 0.8, 0.2) == pytest.approx(0.2)
+
+
+def test_a_draw_of_exactly_zero_is_no_memory_at_p0(monkeypatch):
+    """`rand` is in [0, 1): a draw of 0.0 can happen, and p=0 must still mean no memory at all."""
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.zeros(shape))
+    assert not ca.draw_memory_modes(2, 3, 0.0, "step", _gen(0)).any()
+    assert ca.draw_memory_modes(2, 3, 1e-9, "step", _gen(0)).all()
+
+
+def test_empty_mode_draws_are_fine_and_negative_sizes_are_refused():
+    assert ca.draw_memory_modes(0, 3, 0.5, "step", _gen(0)).shape == (0, 3)
+    assert ca.draw_memory_modes(2, 0, 0.5, "step", _gen(0)).shape == (2, 0)
+    for sizes in ((-1, 3), (3, -1)):
+        with pytest.raises(ValueError, match=rf"sizes must be >= 0, got \({sizes[0]}, {sizes[1]}\)"):
+            ca.draw_memory_modes(*sizes, 0.5, "step", _gen(0))
+
+
+def test_defaults_are_the_token_mask_the_k1_estimator_and_the_token_mean():
+    logprobs = torch.log(torch.tensor([[0.5, 0.01]]))  # the second token fails delta=0.1, the first passes
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    assert ca.low_prob_mask(logprobs, valid, 0.1).tolist() == [[True, False]]  # token mode, not sequence
+    ref = torch.tensor([[0.0, -1.0]])
+    assert ca.kl_penalty(logprobs, ref).tolist() == ca.kl_penalty(logprobs, ref, "k1").tolist()
+    # token-mean: (1 + 2 + 3) / 3 tokens = 2; the sequence means would give (1.5 + 3) / 2 or (3 + 3) / 2
+    loss, mask = torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[True, True], [True, False]])
+    assert ca.agg_loss(loss, mask).item() == 2.0
+
+
+def test_k3_clamps_a_huge_log_ratio_at_20():
+    # d = ref - logp = -30 is clamped to -20: exp(-20) + 20 - 1, not exp(-30) + 30 - 1
+    out = ca.kl_penalty(torch.tensor([[0.0]]), torch.tensor([[-30.0]]), "k3")
+    assert out.item() == pytest.approx(math.exp(-20.0) + 19.0, rel=1e-6)
+    out = ca.kl_penalty(torch.tensor([[0.0]]), torch.tensor([[30.0]]), "k3")  # and from above: exp(20) - 21
+    assert out.item() == pytest.approx(math.exp(20.0) - 21.0, rel=1e-6)
+
+
+def test_given_counts_of_one_divide_by_one():
+    # one valid token / one response in the whole mini-batch: the loss is that token's, not half of it
+    loss, mask = torch.tensor([[3.0]]), torch.tensor([[True]])
+    assert ca.agg_loss(loss, mask, "token-mean", num_tokens=1).item() == 3.0
+    assert ca.agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=1).item() == 3.0
+
+
+def test_group_advantages_errors_name_the_problem():
+    ids = torch.tensor([0, 0])
+    with pytest.raises(ValueError, match=r"^returns must be 1-D \(R,\), got shape \(2, 2\)$"):
+        ca.group_advantages(torch.zeros(2, 2), ids)
+    with pytest.raises(ValueError, match=r"^group_ids must be an integer tensor, got torch.bool$"):
+        ca.group_advantages(torch.zeros(2), torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"^eps must be >= 0, got -1.0$"):
+        ca.group_advantages(torch.zeros(2), ids, eps=-1.0)
+    assert ca.group_advantages(torch.tensor([1.0, 3.0]), ids, eps=0.0).tolist() == pytest.approx([-0.5 ** 0.5,
+                                                                                                  0.5 ** 0.5])
+
+
+def test_group_means_are_taken_in_float64():
+    # 2^24 and 2^24 + 2 are float32 numbers, their float32 sum is not: the mean must come out as 2^24 + 1
+    adv = ca.group_advantages(torch.tensor([16777216.0, 16777218.0]), torch.tensor([0, 0]))
+    assert adv.tolist() == pytest.approx([-0.5 ** 0.5, 0.5 ** 0.5], rel=1e-5)
+
+
+def test_equal_negative_returns_give_exactly_zero():
+    # -0.1 three times has a mean that rounds off -0.1: only the max == min test makes these exactly 0
+    returns = torch.tensor([-0.1, -0.1, -0.1], dtype=torch.float64)
+    assert ca.group_advantages(returns, torch.tensor([0, 0, 0])).tolist() == [0.0, 0.0, 0.0]

@@ -341,3 +341,43 @@ def test_released_entry_text_and_instruction_are_the_released_strings():
     texts, metas = episode_entries("Tip", {"task": "x"}, True, ["<|im_end|>go", "look"], 50.0, released=True)
     assert texts[0].endswith("was <|im_end|>go; Eventually you got the score 50.0/100.")
     assert metas[1]["action"] == "look"
+
+
+def test_the_tip_request_asks_for_at_most_100_words_by_default(tok):
+    request = tok.decode(PromptBuilder(tok).build_tip_request(TASK, history(1), "The end."))
+    assert tip_request_message(100)["content"] in request
+
+
+def test_history_turns_keeps_the_tips_of_the_turns_it_keeps(tok):
+    builder = PromptBuilder(tok, history_turns=1)
+    text = tok.decode(builder.build(TASK, history(3), "You see a frog.", history_tips=[None, None, TIPS]).ids)
+    assert "hallway 2" in text and "hallway 1" not in text and all(t in text for t in TIPS)
+
+
+def test_an_empty_system_prompt_means_no_system_message(tok):
+    prompt = PromptBuilder(tok, system_prompt="").build(TASK, [], "You see a frog.")
+    messages = [{"role": "user", "content": TASK}, {"role": "user", "content": "You see a frog."}]
+    assert tok.decode(prompt.ids) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_truncation_drops_the_fewest_turns_at_exact_budgets(tok):
+    turns, obs = history(4), "You see a frog."
+
+    def built(kept, budget=10**6):
+        return PromptBuilder(tok, max_prompt_tokens=budget).build(TASK, kept, obs).ids
+
+    full = built(turns)
+    assert built(turns, len(full)) == full  # a prompt of exactly the budget fits
+    assert built(turns, len(full) - 1) == built(turns[1:])  # one token over: the oldest turn goes
+    for drop in (1, 2, 3, 4):  # a budget of exactly the prompt without the `drop` oldest turns keeps the rest
+        kept = built(turns[drop:])
+        assert built(turns, len(kept)) == kept, drop
+    bare = built([])  # no turn left and one token over: the observation loses one token, nothing more
+    assert len(built(turns, len(bare) - 1)) == len(bare) - 1
+
+
+def test_a_budget_too_small_for_the_template_names_its_setting(tok):
+    with pytest.raises(ValueError, match=r"^max_request_tokens=5 cannot hold even the system prompt"):
+        PromptBuilder(tok, max_request_tokens=5).build_tip_request(TASK, history(1), "The end.")
+    with pytest.raises(ValueError, match=r"^max_prompt_tokens=5 cannot hold even the system prompt"):
+        PromptBuilder(tok, max_prompt_tokens=5).build(TASK, history(1), "The end.")

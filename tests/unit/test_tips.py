@@ -12,6 +12,7 @@ from empo2.memory import (
     tip_request_message,
 )
 from empo2.memory.records import namespace_key, parse_meta
+from empo2.memory.tips import clean_line
 
 CHAT_MARKERS = ("<|", "|>", "<tip>", "</tip>", "<s>", "</s>", "[INST]", "\n", "\r")
 
@@ -139,10 +140,21 @@ def test_tip_request_is_one_user_turn_with_the_word_limit():
     assert "40 words" in tip_request_message(max_words=40)["content"]
 
 
+def test_tip_request_wording_is_the_one_the_shipped_priors_know():
+    """The shipped priors' vocabularies were built from this text (`prior.py`): a changed word, even its case,
+    would reach them as unknown pieces."""
+    assert tip_request_message(1)["content"] == (
+        "The episode is over. In one line of at most 1 words, summarise what happened in this episode, what you "
+        "learned, and how far the task is from being completed. Reply with that line only.")
+    with pytest.raises(ValueError, match="max_words must be >= 1, got 0"):
+        tip_request_message(0)
+
+
 def test_step_entry_uses_released_format():
     assert (step_entry_text("heat the pot", "open door\nto kitchen", 85.0)
             == "heat the pot; at that timestep the action taken was open door to kitchen; final score 85/100")
     assert step_entry_text("t", "look", 33.5).endswith("final score 33.5/100")
+    assert step_entry_text("t", "look", 85).endswith("final score 85/100")  # an int score prints as itself
 
 
 def test_episode_entries_per_episode_and_per_step():
@@ -152,7 +164,7 @@ def test_episode_entries_per_episode_and_per_step():
     texts, metas = episode_entries("tip", meta, per_step=True, actions=["look", "go north"])
     assert texts == [step_entry_text("tip", "look", 40.0), step_entry_text("tip", "go north", 40.0)]
     assert [m["step"] for m in metas] == [0, 1] and metas[1]["action"] == "go north"
-    with pytest.raises(ValueError, match="score"):
+    with pytest.raises(ValueError, match=r"^per-step entries need a score or meta\['episode_return'\]$"):
         episode_entries("tip", {"task": "boil"}, per_step=True, actions=["look"])
 
 
@@ -164,3 +176,39 @@ def test_namespace_keys_and_meta_validation():
         namespace_key("variation", "boil", None)
     with pytest.raises(ValueError, match="varation"):
         parse_meta({"task": "boil", "varation": 1}, 0)
+
+
+def test_degenerate_boundaries_by_hand():
+    # 8 words (the least the word check looks at), 2 distinct: 0.25 < 0.3 distinct per word
+    assert sanitize_tip("go go go go go go go north") is None
+    # 10 words, 3 distinct: exactly 0.3, which is not below the limit
+    assert sanitize_tip("go north go north go north go north go east") == "go north go north go north go north go east"
+    # one 100-character word compresses to 11% of its bytes: the compression check starts at 100 characters
+    assert sanitize_tip("x" * 100) is None and sanitize_tip("x" * 99) == "x" * 99
+
+
+def test_a_text_compressing_to_exactly_a_fifth_is_kept():
+    import zlib
+
+    # a 100-character word of period k whose zlib size is exactly 20 bytes: 0.2 is not below the limit
+    texts = [("abcdefghijklmnopqrstuvwxyz" * 4)[:k] * 100 for k in range(2, 26)]
+    exact = [t[:100] for t in texts if len(zlib.compress(t[:100].encode(), 9)) == 20]
+    assert exact, "no period gives exactly 20 bytes with this zlib"
+    assert sanitize_tip(exact[0]) == exact[0]
+
+
+def test_nonprintable_share_of_exactly_a_tenth_is_kept_and_cleaned():
+    assert sanitize_tip("abcdefghi\x01") == "abcdefghi"  # 1 of 10 visible characters: not more than 10%
+    assert sanitize_tip("abcdefgh\x01\x02") is None  # 2 of 10
+
+
+def test_one_word_tips_and_exact_type_errors():
+    assert sanitize_tip("go north", max_words=1) == "go"
+    with pytest.raises(TypeError, match=r"^tip text must be str, got int$"):
+        sanitize_tip(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^expected str, got int$"):
+        clean_line(3)  # type: ignore[arg-type]
+
+
+def test_a_role_word_inside_a_line_is_text():
+    assert sanitize_tip("tell the user: try again") == "tell the user: try again"

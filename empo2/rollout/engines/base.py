@@ -19,15 +19,19 @@ import torch
 class SamplingParams:
     """temperature 0 means greedy decoding; top_p is the nucleus mass (1 keeps the whole distribution).
     logprobs: also return each response token's log-prob under softmax(logits / temperature) over the whole
-    vocabulary (the distribution the trainer scores; top_p does not truncate it), where the engine can."""
+    vocabulary (the distribution the trainer scores; top_p does not truncate it), where the engine can.
+    kind: what the responses are for, "action" or "tip"; sampling ignores it, `StopTokens.returned` records it."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
     stop_at_newline: bool = True
     logprobs: bool = False
+    kind: str = "action"
 
     def __post_init__(self):
+        if self.kind not in ("action", "tip"):
+            raise ValueError(f"kind must be 'action' or 'tip', got {self.kind!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -80,6 +84,9 @@ class StopTokens:
     """EOS ids and the ids whose text contains a newline, precomputed once per tokenizer.
 
     vocab_size: the model's vocabulary size when it is larger than the tokenizer's (padded embeddings).
+    returned: None, or after `keep_record()` every response `finish` gave out as (request kind, token ids), in
+    order. Both engines hand out responses only through `finish`, so this is what the engine returned: a check
+    of where a prompt's text came from can hold it against this (off by default: it grows with every call).
     """
 
     def __init__(self, tokenizer, eos: Iterable[int], vocab_size: int | None = None):
@@ -91,6 +98,12 @@ class StopTokens:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
         self.newline = frozenset(i for i, t in enumerate(texts) if "\n" in t and i not in special)
         self._tables: dict[torch.device, torch.Tensor] = {}
+        self.returned: list[tuple[str, list[int]]] | None = None
+
+    def keep_record(self) -> list[tuple[str, list[int]]]:
+        """Starts (or restarts) `returned` and gives it."""
+        self.returned = []
+        return self.returned
 
     def stop_ids(self, stop_at_newline: bool) -> frozenset[int]:
         return self.eos | self.newline if stop_at_newline else self.eos
@@ -119,4 +132,6 @@ class StopTokens:
         if params.stop_at_newline:
             text = text.split("\n", 1)[0]  # the newline token may carry text before its "\n" ("look.\n")
         kept = None if logprobs is None else list(logprobs[:len(ids)])
+        if self.returned is not None:
+            self.returned.append((params.kind, list(ids)))
         return Generation(token_ids=ids, text=text.strip(), finished=finished, logprobs=kept)
