@@ -56,7 +56,6 @@ from empo2.prior import (
     ensure_cached,
     ready_path,
 )
-from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT, PromptBuilder
 
 # Kinds of training sequence (one whole episode each; see `training_sequences`).
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
@@ -375,6 +374,10 @@ def _other_variation_tips(inst: Instance, data: list[Instance], rng: random.Rand
 
 def prompt_builder(tok):
     """The PromptBuilder of the layout this prior is trained on and runs with."""
+    # imported here: `empo2.rollout` loads transformers, which `empo2 train` must not pay for before it has
+    # checked the config and the machine (`models` imports this module)
+    from empo2.rollout.prompts import PromptBuilder
+
 
     return PromptBuilder(tok, max_prompt_tokens=MAX_PROMPT_TOKENS, history_turns=None,
                          max_request_tokens=MAX_PROMPT_TOKENS)
@@ -382,6 +385,7 @@ def prompt_builder(tok):
 
 def build_minisci_tips(settings: TipPriorSettings, log=print):
     """Tokenizer and trained model, from scratch."""
+    from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT  # imported here, as in `prompt_builder`
 
     data = dev_episodes(settings)
     episodes = [e for inst in data for e in inst.episodes]
