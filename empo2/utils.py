@@ -150,6 +150,9 @@ def quiet_libraries() -> None:
     # per-iteration means are logged from rank 0 by design; with engine=vllm the process group vLLM opens for
     # itself (one process) makes Lightning say this of every metric
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
+    # Lightning says this on any machine with SLURM's `srun` on PATH (a cluster's login and compute nodes) and
+    # nothing is wrong: a local run needs no srun, and `--launcher slurm` starts multi-task jobs with srun itself
+    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     # vLLM (engine=vllm): its logger is configured from this when first imported; its import-time deprecation
     # notices; and the CPU build's NUMA-binding notice, a C++ warning that only torch's C++ log level reaches
     # (read when torch is first imported, which has not happened yet)

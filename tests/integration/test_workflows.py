@@ -475,12 +475,17 @@ def test_ctrl_c_reports_the_last_iteration_and_the_resume_command_and_exits_130(
     assert [h["iteration"] for h in summary["history"] if "rollout/return" in h] == [0, 1, 2]
 
 
-def test_the_console_of_a_run_is_ours_only(tmp_path):
+def test_the_console_of_a_run_is_ours_only(tmp_path, monkeypatch):
+    # Lightning checks only that an `srun` is on PATH, as on every node of a SLURM cluster
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     proc = empo2("train", *FAST, "trainer.iterations=1", f"run_root={tmp_path}", "run_name=q")
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout + proc.stderr
     for chatter in ("GPU available", "TPU available", "litlogger", "Loading weights", "INFO mlflow",
-                    "max_epochs=", "Creating initial MLflow"):
+                    "max_epochs=", "Creating initial MLflow", "`srun` command is available"):
         assert chatter not in text, chatter
     assert "== empo2 run finished ==" in text
     verbose = empo2("--verbose", "train", *FAST, "trainer.iterations=1", f"run_root={tmp_path}", "run_name=v")
