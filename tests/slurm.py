@@ -86,6 +86,14 @@ class Slurm:
         return dict(zip(lines[::2], lines[1::2]))
 
     def stop(self) -> None:
+        # jobs first: each runs under its own slurmstepd, which outlives slurmd and would keep its job running
+        if len(self.procs) == 3 and all(p.poll() is None for p in self.procs):
+            jobs = list(self.queue())
+            if jobs:
+                self.run("scancel", "--full", *jobs, check=False)
+                deadline = time.monotonic() + 30
+                while self.queue() and time.monotonic() < deadline:
+                    time.sleep(0.5)
         for p in reversed(self.procs):  # slurmd, slurmctld, munged
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

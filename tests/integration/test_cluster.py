@@ -14,7 +14,7 @@ import optuna
 import pytest
 
 from tests.services import free_port, postgres_bin, start_postgres
-from tests.slurm import JOBS, PARTITION, slurm_cluster  # noqa: F401 (the `slurm` fixture)
+from tests.slurm import JOBS, PARTITION, slurm_cluster, start_slurm  # noqa: F401 (the `slurm` fixture)
 
 pytestmark = pytest.mark.slow  # a cluster, and several training jobs on it
 
@@ -138,3 +138,18 @@ def test_a_bad_partition_or_an_unreachable_controller_is_one_line_and_submits_no
     assert gone.stderr.startswith("empo2 grid: error: --launcher slurm: the SLURM controller cannot be reached: ")
     assert slurm.run("squeue", "-h", "-t", "all", "-o", "%i").split() == before
     assert not (tmp_path / "bad").exists()  # no run folder either
+
+
+def test_stopping_a_test_cluster_ends_the_jobs_still_running_on_it(slurm, tmp_path):
+    # its own cluster (the module's serves the other tests); `slurm` only says whether one can start here
+    cluster = start_slurm()
+    try:
+        pid_file = tmp_path / "job.pid"
+        cluster.run("sbatch", "-p", PARTITION, f"--output={tmp_path / 'job.out'}",
+                    f"--wrap=echo $$ > {pid_file}; exec sleep 600")
+        _wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip(), "the job to start", timeout=60)
+        pid = int(pid_file.read_text())
+    finally:
+        cluster.stop()
+    # the job's slurmstepd outlives slurmd, so only cancelling the job before stopping the daemons ends it
+    _wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the job's process to end", timeout=30)
