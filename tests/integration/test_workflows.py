@@ -64,6 +64,7 @@ def grid(tmp_path_factory):
             "stdout": proc.stdout}
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_grid_runs_every_preset_and_seed_into_one_tagged_experiment(grid):
     runs = _runs(grid["uri"], "mini-grid")
     assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
@@ -77,6 +78,7 @@ def test_grid_runs_every_preset_and_seed_into_one_tagged_experiment(grid):
         assert summary["config"]["experiment"] == r.data.tags["preset"]
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_a_second_grid_invocation_skips_every_finished_run(grid):
     summaries = sorted(grid["root"].glob("mini/*/summary.json"))
     stamps = [p.stat().st_mtime_ns for p in summaries]
@@ -117,11 +119,13 @@ def test_the_grid_submitted_to_slurm_ends_with_the_summaries_of_the_local_worker
     assert status.returncode == 0 and status.stdout.count(": finished (SLURM job ") == 4, status.stdout
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_the_grid_refuses_to_skip_a_run_made_with_another_config(grid):
     with pytest.raises(ConfigError, match=r"trainer\.lr=0\.001 \(this grid wants 0\.002\)"):
         run_grid(grid["file"], seeds=2, overrides=[f"run_root={grid['root']}", "trainer.lr=2e-3"])
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_compare_table_and_curves_match_the_runs_summaries(grid):
     out = grid["root"] / "cmp"
     proc = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
@@ -171,6 +175,7 @@ def test_compare_table_and_curves_match_the_runs_summaries(grid):
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_compare_pairs_each_preset_with_the_baseline_seed_by_seed(grid):
     out = grid["root"] / "cmp_paired"
     proc = empo2("compare", "--experiment", "mini-grid", "--run-root", grid["root"], "--out", out,
@@ -200,6 +205,7 @@ def test_compare_pairs_each_preset_with_the_baseline_seed_by_seed(grid):
     assert bad.returncode != 0 and "--baseline 'grpo' is not a group" in bad.stderr and "grpo_minisci" in bad.stderr
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_eval_scores_a_checkpoint_per_task_with_and_without_memory(grid):
     run_dir = grid["root"] / "mini" / "empo2_official_minisci-s0"
     out = grid["root"] / "eval"
@@ -219,6 +225,7 @@ def test_eval_scores_a_checkpoint_per_task_with_and_without_memory(grid):
     assert table.startswith("| task | episodes |") and f"| **all** | {len(tasks)} |" in table
 
 
+@pytest.mark.slow  # reads the module's grid: four training runs
 def test_adapt_accumulates_tips_over_trials_without_training(grid):
     ckpt = resolve_checkpoint(str(grid["root"] / "mini" / "grpo_minisci-s0"))  # a run trained without memory
     cfg = run_config(ckpt, ["memory.min_sim=-1"])  # every stored tip of the variation is retrieved
