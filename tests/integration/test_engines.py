@@ -197,7 +197,7 @@ def test_full_named_tensors_merges_lora_under_base_names():
 
 def test_vllm_engine_without_vllm_says_how_to_install(policy, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import fails as on a machine without it
-    with pytest.raises(ImportError, match=r"pip install -e \.\[vllm\]` on a GPU machine; on a CPU one, `make install`"):
+    with pytest.raises(ImportError, match=r"`make install-gpu` on a GPU machine; on a CPU one, `make install`"):
         VLLMEngine(*policy)
 
 

@@ -23,7 +23,32 @@ def test_environment_yml_matches_pyproject():
     conda = [d for d in env["dependencies"] if isinstance(d, str)]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     assert "python=3.11" in conda and "openjdk=17" in conda
-    assert sorted(map(_norm, pip)) == sorted(map(_norm, deps))
+    reqs = [Requirement(r) for r in pip if not r.startswith("-")]
+    others = [str(r) for r in reqs if r.name != "torch"]
+    assert sorted(map(_norm, others)) == sorted(map(_norm, (d for d in deps if Requirement(d).name != "torch")))
+    # torch: on Linux the CPU build from PyTorch's CPU index, as `make install` takes it, inside our range
+    makefile = (ROOT / "Makefile").read_text()
+    index, version = (re.search(rf"^{key} :?\??= (\S+)$", makefile, re.M).group(1)
+                      for key in ("TORCH_CPU_INDEX", "TORCH_VERSION"))
+    assert f"--extra-index-url {index}" in pip
+    ours = SpecifierSet(dict(map(_norm, deps))["torch"])
+    linux = next(r for r in reqs if r.name == "torch" and r.marker.evaluate({"sys_platform": "linux"}))
+    assert str(linux.specifier) == f"=={version}+cpu" and ours.contains(f"{version}+cpu")
+    elsewhere = next(r for r in reqs if r.name == "torch" and r.marker.evaluate({"sys_platform": "darwin"}))
+    assert str(elsewhere.specifier) == str(ours)
+
+
+def test_gpu_constraints_lie_in_our_ranges():
+    """Each version constraints/gpu.txt pins (what `make install-gpu` installs) is one pyproject.toml admits;
+    tests/integration/test_install.py resolves them together on PyPI."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ours = dict(map(_norm, project["dependencies"] + project["optional-dependencies"]["vllm"]))
+    pins = [Requirement(ln) for ln in (ROOT / "constraints/gpu.txt").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
+    assert {p.name for p in pins} == {"vllm", "torch", "transformers", "lightning"}
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==" and SpecifierSet(ours[pin.name]).contains(spec.version), (str(pin), ours[pin.name])
 
 
 @pytest.mark.needs("vllm")

