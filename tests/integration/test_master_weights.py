@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from empo2.config import ModelConfig, load_config
 from empo2.lit.data import RolloutBuffer, plan_epoch
 from empo2.lit.module import EMPO2Module
-from empo2.lit.strategy import float32_master_weights
+from empo2.lit.strategy import float32_master_weights, unsharded
 from empo2.models import load_policy
 from empo2.train import train
 from tests.services import free_port, spawn_ranks
@@ -186,7 +186,8 @@ def _gradient(policy, tok, samples, autocast: bool) -> dict[str, torch.Tensor]:
                        torch.Generator().manual_seed(0))[0][0]
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with context:
-        module.buffer.old_logprobs = module.score_behaviour(samples, len(samples))
+        with unsharded(policy):  # as training scores them: outside the step, on gathered weights
+            module.buffer.old_logprobs = module.score_behaviour(samples, len(samples))
         loss, _, _ = module.micro_batch_loss(micro)
     loss.backward()
     return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
