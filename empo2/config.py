@@ -48,7 +48,7 @@ class ModelConfig:
     dtype: str = opt("float32", "The dtype the weights are read in, and kept in where they do not train: the KL "
                      "reference copy, a LoRA base, `empo2 eval`'s policy. The weights that train are float32 master "
                      "weights whatever this says, with float32 AdamW state (`trainer.precision` sets the compute "
-                     "dtype): checkpoints hold both in float32, 16 bytes per trained parameter (7B: 28 GB of weights "
+                     "dtype): checkpoints hold both in float32, 12 bytes per trained parameter (7B: 28 GB of weights "
                      "+ 56 GB of AdamW state), and a checkpoint of any dtype resumes into float32. bfloat16 halves "
                      "the memory of reading the checkpoint (each process reads the whole model before FSDP shards "
                      "it, then upcasts only its shard) and of the frozen copies; float32 is exact and fastest on "
