@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 from empo2.config import ModelConfig, load_config
 from empo2.lit.data import RolloutBuffer, plan_epoch
 from empo2.lit.module import EMPO2Module
-from empo2.lit.strategy import float32_master_weights, unsharded
+from empo2.lit.strategy import float32_master_weights
 from empo2.models import load_policy
 from empo2.train import train
-from tests.services import free_port, spawn_ranks
+from tests.services import free_port
 
 from .test_update_fidelity import _samples
 
@@ -186,12 +186,10 @@ def _gradient(policy, tok, samples, autocast: bool) -> dict[str, torch.Tensor]:
                        torch.Generator().manual_seed(0))[0][0]
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with context:
-        with unsharded(policy):  # as training scores them: outside the step, on gathered weights
-            module.buffer.old_logprobs = module.score_behaviour(samples, len(samples))
+        module.buffer.old_logprobs = module.score_behaviour(samples, len(samples))
         loss, _, _ = module.micro_batch_loss(micro)
     loss.backward()
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-            for n, p in policy.named_parameters() if p.requires_grad}
+    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
 
 
 def bf16_representable_tiny():
@@ -232,42 +230,6 @@ def test_bfloat16_compute_on_float32_masters_gives_the_float32_gradient_to_bfloa
 
 
 # --------------------------------------------------------------------------------- fsdp on 2 processes
-def _fsdp_gradient_worker(rank: int, port: int, results) -> None:
-    """One of two gloo ranks: the tiny policy read in bfloat16, sharded, its shards made float32; the bf16-autocast
-    gradient (gathered) against this rank's own float32 run of the unsharded policy."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from empo2.lit.strategy import shard_policy
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))  # a hang fails
-    try:
-        f32, b16, tok = bf16_representable_tiny()
-        samples = _samples(f32.config.vocab_size)
-        shard_policy(b16, init_device_mesh("cpu", (2,)), MixedPrecisionPolicy())
-        float32_master_weights(b16)
-        shards = sorted({f"{type(p).__name__} {_local(p).dtype}" for p in b16.parameters()})
-        mixed = _gradient(b16, tok, samples, autocast=True)
-        errors = relative_errors(mixed, _gradient(f32, tok, samples, autocast=False))
-        within = 1e-4 < max(errors.values()) <= 2e-2
-        results.put((rank, shards, sorted({str(g.dtype) for g in mixed.values()}), within))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp_shards_made_float32_give_the_float32_gradient_to_bfloat16_tolerance():
-    """Under FSDP2 on 2 gloo processes the conversion happens on each rank's shards, after sharding: they are
-    float32 DTensors, and the bf16-autocast gradient gathered from them is a float32 run's within bfloat16 compute
-    tolerance, as on one process."""
-    expected = (["DTensor torch.float32"], [F32], True)
-    assert spawn_ranks(_fsdp_gradient_worker) == [(0, *expected), (1, *expected)]
-
-
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "torch_threads=1"]
 
 
