@@ -22,6 +22,8 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
                       (MixedPrecisionPolicy); generation, old log-probs and validation run inside it, the update
                       on the sharded forward: on-policy (p=0), one sample per micro-batch, the first step's ratio
                       must be 1 and its KL 0 (to bf16 rounding), i.e. both passes score the same distribution
+  fsdp_master_weights the policy read in bfloat16 (`model.dtype=bfloat16`), one bf16-mixed fsdp iteration: after
+                      a step every trainable shard and AdamW moment is a float32 DTensor
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -290,6 +292,48 @@ def main() -> int:
         ratio, kl = probe.metrics["actor/ratio_mean"], probe.metrics["actor/approx_kl"]
         assert abs(ratio - 1.0) < 1e-2 and kl < 1e-3, f"first-step ratio {ratio}, approx_kl {kl}"
         return {"first_step_ratio_mean": ratio, "first_step_approx_kl": kl, **probe.dtypes}
+
+    # ------------------------------------------------------------------ float32 master weights under bf16-mixed fsdp
+    @check("fsdp_master_weights")
+    def _():
+        # read in bfloat16 (the Qwen presets' model.dtype), trained with bf16-mixed FSDP2 on CUDA: after a step every
+        # trainable shard and every AdamW moment is a float32 DTensor (bfloat16 only in the gathered compute copies)
+        import lightning as L
+        from torch.distributed.tensor import DTensor
+
+        from empo2.config import load_config
+        from empo2.train import train
+
+        def kinds(tensors) -> list[str]:
+            return sorted({f"{type(t).__name__} {(t.to_local() if isinstance(t, DTensor) else t).dtype}"
+                           for t in tensors})
+
+        class Probe(L.Callback):
+            seen: dict | None = None
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if self.seen is None and pl_module.last_step:  # after the first optimiser step
+                    optimizer = trainer.optimizers[0]
+                    params = [p for p in pl_module.policy.parameters() if p.requires_grad]
+                    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+                    self.seen = {"params": kinds(params), "moments": kinds(moments), "trainable": len(params),
+                                 "with_state": len(optimizer.state)}
+
+        probe = Probe()
+        overrides = ["debug=fast", "trainer=fsdp", "trainer.devices=1", "trainer.iterations=1", "engine=hf",
+                     "model.dtype=bfloat16"]
+        if args.model_path:
+            overrides += ["model=hf", f"model.path={args.model_path}"]
+        with tempfile.TemporaryDirectory() as root:
+            cfg = load_config(overrides + [f"run_root={root}", "run_name=master"])
+            assert cfg.trainer.precision == "bf16-mixed", cfg.trainer.precision
+            train(cfg, callbacks=[probe])
+        seen = probe.seen
+        assert seen is not None, "no optimiser step ran"
+        want = ["DTensor torch.float32"]
+        assert seen["params"] == want and seen["moments"] == want, seen
+        assert seen["with_state"] == seen["trainable"], seen
+        return seen
 
     return report(args.out)
 

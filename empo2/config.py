@@ -45,7 +45,13 @@ class ModelConfig:
                     choices=tuple(PRESETS))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
-    dtype: str = opt("float32", "Parameter dtype. bfloat16 halves memory on GPUs; float32 is exact and fastest on "
+    dtype: str = opt("float32", "The dtype the weights are read in, and kept in where they do not train: the KL "
+                     "reference copy, a LoRA base, `empo2 eval`'s policy. The weights that train are float32 master "
+                     "weights whatever this says, with float32 AdamW state (`trainer.precision` sets the compute "
+                     "dtype): checkpoints hold both in float32, 12 bytes per trained parameter (7B: 28 GB of weights "
+                     "+ 56 GB of AdamW state), and a checkpoint of any dtype resumes into float32. bfloat16 halves "
+                     "the memory of reading the checkpoint (each process reads the whole model before FSDP shards "
+                     "it, then upcasts only its shard) and of the frozen copies; float32 is exact and fastest on "
                      "CPUs without bf16 units.", choices=("float32", "bfloat16", "float16"))
     seed: int = opt(0, "Seed of the `tiny` model's random weights (other presets ignore it).", ge=0)
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, slower "
@@ -279,13 +285,16 @@ class TrainerConfig:
                         "preset's bf16-mixed gives way to `trainer.precision=32-true`). Under fsdp every rank "
                         "scores a micro-batch in one padded pass, not in length buckets; its checkpoints are one "
                         "full file, loadable on any number of processes.", choices=("auto", "ddp", "fsdp", "deepspeed"))
-    precision: str = opt("32-true", "Lightning precision. `bf16-mixed` (autocast; old and new log-probs are scored "
-                         "in the same context) halves activation memory on GPUs, and under `fsdp` on GPUs also "
-                         "gathers the weights in bfloat16 (gradients reduced in float32); `bf16-true` also halves "
-                         "weights and optimizer state, at a precision cost for small learning rates. fp16 "
-                         "(`16-mixed`) is refused: its loss scaling needs unscaled clipping and scaler-driven skips "
-                         "that the manual micro-batch update does not do.",
-                         choices=("32-true", "bf16-mixed", "bf16-true"))
+    precision: str = opt("32-true", "Lightning precision: how the update computes; the weights that train and their "
+                         "AdamW state are float32 under both (`model.dtype`). `bf16-mixed` (autocast; old and new "
+                         "log-probs are scored in the same context) halves activation memory on GPUs, and under "
+                         "`fsdp` on GPUs also gathers the weights in bfloat16 (gradients reduced in float32), as verl "
+                         "and TRL train; `32-true` computes in float32. `bf16-true` (bfloat16 weights and optimizer "
+                         "state) is refused: an AdamW step at a small learning rate is far below a bfloat16 weight's "
+                         "resolution and rounds away (docs/real_models_and_gpus.md); LoRA (`model.lora_r`) is the "
+                         "way to less optimizer memory. fp16 (`16-mixed`) is refused: its loss scaling needs "
+                         "unscaled clipping and scaler-driven skips that the manual micro-batch update does not do.",
+                         choices=("32-true", "bf16-mixed"))
     iterations: int = opt(20, "Training iterations (one rollout batch plus its updates each).", gt=0)
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
     mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)
@@ -421,6 +430,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.trainer.precision in ("16-mixed", "16", "16-true"):
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} is not supported: fp16 loss scaling would "
                           "clip scaled gradients; use bf16-mixed or 32-true")
+    if cfg.trainer.precision == "bf16-true":
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision} is not supported: it trains bfloat16 weights, "
+                          "whose small updates round away; use bf16-mixed (float32 weights, bfloat16 compute)")
     for group_name in GROUPS + ("",):
         obj = getattr(cfg, group_name) if group_name else cfg
         prefix = f"{group_name}." if group_name else ""

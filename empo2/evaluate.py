@@ -103,7 +103,9 @@ def run_config(ckpt: Path | None, overrides: list[str]) -> TrainConfig:
 
 
 def _collector(cfg: TrainConfig, ckpt: Path | None, n_envs: int, with_memory_state: bool):
-    """Policy (with the checkpoint's weights) inside a collector; the checkpoint's tips if asked."""
+    """Policy (with the checkpoint's weights) inside a collector; the checkpoint's tips if asked. The policy is in
+    `model.dtype`, the dtype a trained model is read in to be served: a checkpoint's float32 master weights are
+    rounded to it (bfloat16 for the Qwen presets), not kept at training's float32."""
     import torch
 
     from empo2.lit.callbacks import RolloutCallback

@@ -25,7 +25,7 @@ from empo2.errors import NonFiniteLossError
 from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.lit.packing import packed_response_logits
-from empo2.lit.strategy import FSDP2Strategy, is_sharded
+from empo2.lit.strategy import FSDP2Strategy, float32_master_weights, is_sharded
 from empo2.rollout.types import StepSample
 from empo2.utils import release_free_memory
 
@@ -261,10 +261,14 @@ class EMPO2Module(L.LightningModule):
             group["lr"] = t.lr * factor
 
     def configure_model(self) -> None:
-        """Lightning's hook for sharding, run once the processes are up and before the optimiser is made: under
-        `trainer=fsdp` the strategy shards the policy; other strategies have nothing to do."""
+        """Lightning's hook for sharding, run once the processes are up and before the optimiser is made (and before
+        DDP wraps the module or a checkpoint is restored): under `trainer=fsdp` the strategy shards the policy; then,
+        under every strategy, the trainable weights become float32 master weights (`float32_master_weights`; after
+        sharding, so each rank upcasts only its shard). A checkpoint's weights and optimizer state, whatever their
+        dtype, are then loaded into float32 (torch casts optimizer state to its parameter's dtype)."""
         if isinstance(self.trainer.strategy, FSDP2Strategy):
             self.trainer.strategy.shard(self.policy)
+        float32_master_weights(self.policy)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -52,6 +52,26 @@ def shard_policy(policy, mesh, mp_policy: MixedPrecisionPolicy) -> None:
     fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
 
 
+def float32_master_weights(policy) -> None:
+    """The trainable parameters in float32, in place, whatever dtype the weights were read in (`model.dtype`).
+
+    AdamW keeps its state in its parameters' dtype, and a bfloat16 weight (8 significant bits) drops any update
+    smaller than about 2^-9 of itself: at lr 1e-6 nearly every one. So the weights that train, and their optimizer
+    state, are float32, and bfloat16 is a compute choice (autocast, FSDP2's `MixedPrecisionPolicy`), as in verl and
+    TRL. Frozen parameters (a LoRA base) keep the dtype they were read in; so do buffers. Under FSDP2 it runs after
+    `shard_policy`, on the DTensor shards (FSDP2 re-registers each converted shard), so no rank ever holds the whole
+    model in float32. Idempotent: nothing happens when every trainable parameter is float32 already."""
+    def upcast(t: torch.Tensor) -> torch.Tensor:  # `_apply` hands over each parameter itself: requires_grad is there
+        return t.float() if t.requires_grad and t.is_floating_point() else t
+
+    if all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad):
+        return
+    with torch.no_grad():
+        # `_apply` rather than `.data =` per parameter: it is the conversion FSDP2 supports on sharded modules
+        # (`FSDPModule._apply` reshards, then re-pads and re-registers every converted shard)
+        policy._apply(upcast)
+
+
 def is_sharded(module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 

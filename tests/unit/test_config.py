@@ -165,6 +165,14 @@ def test_fp16_precision_is_refused_with_the_reason():
     assert load_config(["trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
 
 
+def test_bf16_true_precision_is_refused_with_the_reason():
+    """bfloat16 weights and optimizer state: small updates round away (tests/integration/test_master_weights.py)."""
+    with pytest.raises(ConfigError, match=r"^trainer.precision=bf16-true is not supported: it trains bfloat16 "
+                                          r"weights.*use bf16-mixed") as e:
+        load_config(["trainer.precision=bf16-true"])
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("overrides, exact", [
     ([], True),
     (["rollout.generation_logprobs=false"], False),
