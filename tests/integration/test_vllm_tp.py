@@ -140,6 +140,7 @@ def _tp_worker(rank, port, results, prompt_lists):
     # a rank with nothing to generate still takes part: rank 1 sends no prompt while rank 0 sends two
     out["one_sided"] = [g.token_ids for g in engine.generate(mine[:2] if rank == 0 else [], GREEDY)]
     out["has_work"] = [engine.group_has_work(rank == 0), engine.group_has_work(False)]
+    out["same_list"] = [g.token_ids for g in engine.generate(prompt_lists[0][:3], GREEDY)]  # as validation asks
     try:  # calls that do not line up are refused on every rank instead of hanging the group
         engine.generate(mine[:1], GREEDY if rank == 0 else SAMPLED, seed=1)
         out["mismatch"] = None
@@ -174,6 +175,7 @@ def test_a_tensor_parallel_engine_generates_what_the_unsharded_one_does(prior, p
         assert out["has_work"] == [True, False]
         assert "different sampling parameters" in out["mismatch"]
     assert ranks[0]["one_sided"] == ranks[0]["greedy"][:2] and ranks[1]["one_sided"] == []
+    assert ranks[0]["same_list"] == ranks[1]["same_list"] == ranks[0]["greedy"][:3]
 
 
 def _torchrun_train(overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:

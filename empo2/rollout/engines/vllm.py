@@ -217,6 +217,8 @@ class VLLMEngine:
         if any(other != params for other, _ in gathered):
             raise RuntimeError(f"the ranks of tensor-parallel group {group.ranks} called generate with different "
                                f"sampling parameters ({[p for p, _ in gathered]}): their calls must line up")
+        if all(reqs == requests for _, reqs in gathered):  # one list asked everywhere (validation): generated once
+            return requests, slice(0, len(requests))
         start = sum(len(r) for _, r in gathered[:group.rank_in_group])
         return [req for _, reqs in gathered for req in reqs], slice(start, start + len(requests))
 
