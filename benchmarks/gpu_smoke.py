@@ -24,6 +24,10 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
                       must be 1 and its KL 0 (to bf16 rounding), i.e. both passes score the same distribution
   fsdp_master_weights the policy read in bfloat16 (`model.dtype=bfloat16`), one bf16-mixed fsdp iteration: after
                       a step every trainable shard and AdamW moment is a float32 DTensor
+  vllm_tensor_parallel  (2 GPUs or more) `torchrun --nproc-per-node 2 -m empo2.cli train engine=vllm
+                      engine.tensor_parallel_size=2 trainer=fsdp` on the shipped MiniSci prior (4 heads, 2 KV
+                      heads: SmolLM2's 9 do not split in two): one engine sharded over both ranks, on NCCL, runs the
+                      iteration's actions, tips and validation; both ranks end with the same weights and tips
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -133,7 +137,7 @@ def main() -> int:
     engine = state.get("engine")
     if engine is None:
         for name in ("vllm_greedy", "vllm_seeds", "vllm_logprobs", "sleep_update", "restore", "lora_merge",
-                     "throughput", "vllm_fsdp_train"):
+                     "throughput", "vllm_fsdp_train", "vllm_tensor_parallel"):
             RESULTS.append({"check": name, "status": "SKIP", "reason": "vLLM engine did not start"})
             print(f"[SKIP] {name}")
         return report(args.out)
@@ -334,6 +338,27 @@ def main() -> int:
         assert seen["params"] == want and seen["moments"] == want, seen
         assert seen["with_state"] == seen["trainable"], seen
         return seen
+    # ------------------------------------------------------------------------------ tensor parallelism
+    def tensor_parallel():
+        with tempfile.TemporaryDirectory() as root:
+            cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "-m", "empo2.cli", "train",
+                   "model=minisci_tips_signed", "engine=vllm", "engine.tensor_parallel_size=2", "trainer=fsdp",
+                   "trainer.devices=2", "trainer.iterations=1", "rollout.tasks_per_batch=2", "rollout.group_size=2",
+                   "env.max_steps=3", "env.val_variations=1", "logger=none", f"run_root={root}", "run_name=tp"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            r0, r1 = (json.loads((Path(root) / "tp" / f"rank{r}.json").read_text()) for r in (0, 1))
+            summary = json.loads((Path(root) / "tp" / "summary.json").read_text())
+        assert r0["weights_sha256"] == r1["weights_sha256"], "the ranks ended with different weights"
+        assert r0["memory_records"] == r1["memory_records"] and r0["memory_records"], "no tips, or different ones"
+        return {"tips": len(r0["memory_records"]), "val_score": summary["metrics"].get("val/score_nomem"),
+                "total_s": summary["metrics"]["time/total_s"]}
+
+    if torch.cuda.device_count() >= 2:
+        check("vllm_tensor_parallel")(tensor_parallel)
+    else:
+        RESULTS.append({"check": "vllm_tensor_parallel", "status": "SKIP", "reason": "tensor parallelism needs 2 GPUs"})
+        print("[SKIP] vllm_tensor_parallel (one GPU)")
 
     return report(args.out)
 

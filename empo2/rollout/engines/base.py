@@ -68,6 +68,12 @@ class GenerationEngine(Protocol):
         """Load the policy's current weights (full tensors, Hugging Face parameter names)."""
         ...
 
+    def group_has_work(self, has_work: bool) -> bool:
+        """Whether this process or any other that shares the engine with it (a tensor-parallel vLLM group) has work
+        left. Such an engine generates for the group only when every member calls `generate`, so a caller whose
+        own work has ended keeps calling it, with no prompts, while this says True."""
+        ...
+
 
 def eos_ids(tokenizer, generation_config=None) -> list[int]:
     """The tokenizer's EOS plus any EOS the checkpoint's generation config lists (Qwen ends turns with two)."""

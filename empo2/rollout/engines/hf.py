@@ -242,6 +242,10 @@ class HFEngine:
     def wake_up(self) -> None:
         """Nothing to restore."""
 
+    def group_has_work(self, has_work: bool) -> bool:
+        """Generation here is this process's own: no other process waits on its calls."""
+        return has_work
+
 
 # What a decoder pass costs beyond its positions, in positions: a pass of a few-hundred-token prompt on the
 # headline's small policy costs about as much as 30 more positions of a longer one.

