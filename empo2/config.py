@@ -262,8 +262,10 @@ class EngineConfig:
                                      "gpu_memory_utilization of the machine's RAM). More cache holds more "
                                      "concurrent rollouts and prefixes.", gt=0, nullable=True)
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism (GPU).", gt=0)
-    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU; frees memory for training, costs "
-                           "a wake-up per iteration).")
+    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU): its KV cache is dropped and its "
+                           "weights discarded, not copied to host memory (vLLM's sleep level 2), since the weight "
+                           "sync after each update reloads them. Frees both for training; costs a wake-up per "
+                           "iteration.")
 
 
 # --------------------------------------------------------------------------------------------- trainer
