@@ -1,7 +1,7 @@
 """A rank's peak resident memory, phase by phase, in one iteration of a 2-process `trainer=fsdp engine=vllm` run on
 a CPU (gloo), with SmolLM2-135M, the default model. Run under torchrun, one process per rank:
 
-    flock /tmp/empo2-heavy.lock torchrun --nproc-per-node 2 benchmarks/fsdp_memory.py \
+    torchrun --nproc-per-node 2 benchmarks/fsdp_memory.py \
         [--out benchmarks/results/fsdp_memory.json] [override ...]
 
 Each phase is a window: when it starts, the kernel's peak resident set (VmHWM) is reset to the current one (`5`
