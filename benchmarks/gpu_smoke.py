@@ -19,15 +19,19 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
   fsdp_one_iteration  `empo2 train debug=fast trainer=fsdp`: one iteration with the FSDP2-sharded policy, bf16
                       mixed precision (the path the CPU tests run in float32 only)
   fsdp_unsharded_path the shards stay float32 DTensors and `unsharded` gathers them in bfloat16
-                      (MixedPrecisionPolicy); generation, old log-probs and validation run inside it, the update
-                      on the sharded forward: on-policy (p=0), one sample per micro-batch, the first step's ratio
-                      must be 1 and its KL 0 (to bf16 rounding), i.e. both passes score the same distribution
+                      (MixedPrecisionPolicy); the HF engine's generation and validation run inside it, the old
+                      log-probs and the update on the sharded forward: on-policy (p=0), one sample per
+                      micro-batch, the first step's ratio must be 1 and its KL 0 (to bf16 rounding), i.e. both
+                      passes score the same distribution
   fsdp_master_weights the policy read in bfloat16 (`model.dtype=bfloat16`), one bf16-mixed fsdp iteration: after
                       a step every trainable shard and AdamW moment is a float32 DTensor
   vllm_tensor_parallel  (2 GPUs or more) `torchrun --nproc-per-node 2 -m empo2.cli train engine=vllm
                       engine.tensor_parallel_size=2 trainer=fsdp` on the shipped MiniSci prior (4 heads, 2 KV
                       heads: SmolLM2's 9 do not split in two): one engine sharded over both ranks, on NCCL, runs the
                       iteration's actions, tips and validation; both ranks end with the same weights and tips
+  sleep_level2_sync   sleep (level 2: weights discarded, KV cache dropped) frees GPU memory, generating before
+                      a sync is refused, the wake empties PyTorch's CUDA cache, and after the sync the seeded
+                      samples and their log-probs are those of the engine before it slept
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -137,7 +141,8 @@ def main() -> int:
     engine = state.get("engine")
     if engine is None:
         for name in ("vllm_greedy", "vllm_seeds", "vllm_logprobs", "sleep_update", "restore", "lora_merge",
-                     "throughput", "vllm_fsdp_train", "vllm_tensor_parallel"):
+                     "throughput", "vllm_fsdp_train", "vllm_tensor_parallel",
+                     "sleep_level2_sync"):
             RESULTS.append({"check": name, "status": "SKIP", "reason": "vLLM engine did not start"})
             print(f"[SKIP] {name}")
         return report(args.out)
@@ -359,6 +364,37 @@ def main() -> int:
     else:
         RESULTS.append({"check": "vllm_tensor_parallel", "status": "SKIP", "reason": "tensor parallelism needs 2 GPUs"})
         print("[SKIP] vllm_tensor_parallel (one GPU)")
+
+    # ------------------------------------------------------------------------- GPU memory: sleep level 2
+    @check("sleep_level2_sync")
+    def _():
+        # the policy holds its original weights again (`restore`); a sync resets the prefix cache, so both
+        # generations below prefill from an empty cache
+        params = SamplingParams(temperature=1.0, max_new_tokens=24, logprobs=True)
+        engine.update_weights(full_named_tensors(policy))
+        awake = engine.generate(prompts, params, seed=5)
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        freed = torch.cuda.mem_get_info()[0] - free_awake
+        try:
+            engine.generate(prompts, params, seed=5)
+            refused = False
+        except RuntimeError:
+            refused = True
+        planted = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # freed into PyTorch's cache, not the device
+        del planted
+        cached = torch.cuda.memory_reserved()
+        engine.update_weights(full_named_tensors(policy))
+        emptied = cached - torch.cuda.memory_reserved()
+        again = engine.generate(prompts, params, seed=5)
+        gap = max(abs(a - b) for x, y in zip(awake, again) for a, b in zip(x.logprobs, y.logprobs))
+        assert freed > 0, f"sleep freed {freed} bytes"
+        assert refused, "the engine generated with discarded weights"
+        assert emptied >= 1 << 30, f"the wake left {cached - emptied} bytes in PyTorch's cache"
+        assert [g.token_ids for g in again] == [g.token_ids for g in awake], "other responses after sleep and sync"
+        assert gap < 1e-3, f"log-probs after sleep and sync differ by {gap}"
+        return {"freed_gib": round(freed / (1 << 30), 3), "cache_emptied_gib": round(emptied / (1 << 30), 3),
+                "max_logprob_gap": gap}
 
     return report(args.out)
 

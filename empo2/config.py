@@ -273,8 +273,10 @@ class EngineConfig:
                                     "group, and the group's shards talk at every layer. Needs a multi-process run "
                                     "whose processes per node it divides, and a model whose attention heads it "
                                     "divides.", gt=0)
-    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU only; frees memory for training, costs "
-                           "a wake-up per iteration).")
+    sleep_mode: bool = opt(False, "Release vLLM's memory during updates (GPU): its KV cache is dropped and its "
+                           "weights discarded, not copied to host memory (vLLM's sleep level 2), since the weight "
+                           "sync after each update reloads them. Frees both for training; costs a wake-up per "
+                           "iteration.")
 
 
 # --------------------------------------------------------------------------------------------- trainer

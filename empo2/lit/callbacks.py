@@ -13,6 +13,7 @@ a resumed run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import lightning as L
@@ -53,10 +54,11 @@ def _to_numpy(obj):
     return obj
 
 
-def full_params(trainer: L.Trainer):
-    """Under FSDP, the policy's full weights for calls made outside a training step (HF generation, old log-probs,
-    validation), gathered once rather than per forward (`unsharded`); elsewhere nothing to do."""
-    return unsharded(trainer.lightning_module)
+def generation_weights(trainer: L.Trainer, engine):
+    """Under FSDP, the policy's full weights while an engine that generates with the policy itself (HF) runs,
+    gathered once rather than per forward (`unsharded`). An engine with its own copy of the weights (vLLM) needs
+    none: every rank keeps only its shard of the policy through rollouts and validation."""
+    return unsharded(trainer.lightning_module.policy) if engine.generates_with_policy else contextlib.nullcontext()
 
 
 class RolloutCallback(L.Callback):
@@ -95,7 +97,7 @@ class RolloutCallback(L.Callback):
         # After the strategy set-up, before the first rollout is fetched. A resumed run (ckpt_path) logged its
         # baseline already; FSDP restores only after this hook, so the iteration counter cannot tell.
         if self.cfg.trainer.val_before_train and trainer.ckpt_path is None:
-            with full_params(trainer):
+            with generation_weights(trainer, self.collector.engine):
                 stats = self.validate(-1)
             self._log(trainer, -1, dict(stats, **{"train/env_steps": 0.0}))
 
@@ -118,7 +120,7 @@ class RolloutCallback(L.Callback):
         if not self._engine_synced:  # produce runs after the restore, on fresh starts and resumes alike
             self._sync_engine(pl_module)
         mine = tasks[rank::world]
-        with full_params(trainer):
+        with generation_weights(trainer, self.collector.engine):
             batch = self._collect("rollouts", 0, len(mine) * cfg.rollout.group_size, mine, cfg.rollout.group_size, it,
                                   generator)
         self.collector.engine.sleep()  # vLLM with engine.sleep_mode frees its memory for the update
@@ -127,9 +129,8 @@ class RolloutCallback(L.Callback):
             self._share_tips(batch.new_tips)
             batch.stats["memory/size"] = float(len(self.collector.memory or []))
 
-        if cfg.algo.update_policy:
-            with full_params(trainer):
-                old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
+        if cfg.algo.update_policy:  # on the shards under FSDP, forwards padded to the busiest rank's
+            old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
             busiest = len(batch.samples)
         else:  # memory-only agent: the iteration is its rollouts (and tips); nothing to train on
             old, busiest = [], 0
@@ -177,7 +178,7 @@ class RolloutCallback(L.Callback):
         self._sync_engine(pl_module)
         it = self.iteration
         if (it + 1) % self.cfg.trainer.val_every == 0 or it + 1 == self.cfg.trainer.iterations:
-            with full_params(trainer):
+            with generation_weights(trainer, self.collector.engine):
                 stats = self.validate(it)
             self._log(trainer, it, stats)
         self.iteration += 1

@@ -25,7 +25,7 @@ from empo2.errors import NonFiniteLossError
 from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.lit.packing import packed_response_logits
-from empo2.lit.strategy import FSDP2Strategy, float32_master_weights, is_sharded
+from empo2.lit.strategy import FSDP2Strategy, float32_master_weights, is_sharded, reshard
 from empo2.rollout.types import StepSample
 from empo2.utils import release_free_memory
 
@@ -123,18 +123,36 @@ class EMPO2Module(L.LightningModule):
     @torch.no_grad()
     def score_behaviour(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
         """The responses scored on their behaviour prompts by a forward pass, at the rollout temperature in the
-        update's precision context."""
+        update's precision context.
+
+        Sharded (FSDP), the pass runs on the shards, gathering one layer at a time as the update does, and every
+        rank must call it: each forward gathers collectively, and ranks hold different numbers of samples, so
+        every rank runs as many forwards as the busiest one, the others padding with one-token forwards."""
         was_training = self.policy.training
         self.policy.eval()
         rows: list[torch.Tensor] = []
+        starts = range(0, len(samples), micro_batch_size)
+        sharded = is_sharded(self.policy)
+        forwards = self._busiest(len(starts)) if sharded else len(starts)
         with self._precision():
-            for start in range(0, len(samples), micro_batch_size):
+            for start in starts:
                 mb = samples[start:start + micro_batch_size]
                 batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id, prompt="behaviour").items()}
                 lp = self.response_logprobs(batch).cpu()  # (b, T)
                 rows += [lp[b, :len(s.response_ids)] for b, s in enumerate(mb)]
+            for _ in range(forwards - len(starts)):
+                self.policy(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False,
+                            logits_to_keep=1)
+        if sharded:
+            reshard(self.policy)
         self.policy.train(was_training)
         return rows
+
+    def _busiest(self, count: int) -> int:
+        """The largest `count` of all ranks (an all-reduce every rank must join)."""
+        t = torch.tensor([count], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
 
     # ------------------------------------------------------------------------------------- update
     def micro_batch_loss(self, micro: MicroBatch,
@@ -262,12 +280,15 @@ class EMPO2Module(L.LightningModule):
 
     def configure_model(self) -> None:
         """Lightning's hook for sharding, run once the processes are up and before the optimiser is made (and before
-        DDP wraps the module or a checkpoint is restored): under `trainer=fsdp` the strategy shards the policy; then,
-        under every strategy, the trainable weights become float32 master weights (`float32_master_weights`; after
-        sharding, so each rank upcasts only its shard). A checkpoint's weights and optimizer state, whatever their
-        dtype, are then loaded into float32 (torch casts optimizer state to its parameter's dtype)."""
+        DDP wraps the module or a checkpoint is restored): under `trainer=fsdp` the strategy shards the policy, and the
+        KL reference alike (each rank holds 1/N of it, not a whole copy); then, under every strategy, the trainable
+        weights become float32 master weights (`float32_master_weights`; after sharding, so each rank upcasts only its
+        shard). A checkpoint's weights and optimizer state, whatever their dtype, are then loaded into float32 (torch
+        casts optimizer state to its parameter's dtype)."""
         if isinstance(self.trainer.strategy, FSDP2Strategy):
             self.trainer.strategy.shard(self.policy)
+            if self.ref_policy is not None:
+                self.trainer.strategy.shard(self.ref_policy, frozen=True)
         float32_master_weights(self.policy)
 
     def configure_optimizers(self):

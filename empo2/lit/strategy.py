@@ -37,11 +37,12 @@ def hf_model(policy):
     return policy.get_base_model() if hasattr(policy, "peft_config") else policy
 
 
-def shard_policy(policy, mesh, mp_policy: MixedPrecisionPolicy) -> None:
+def shard_policy(policy, mesh, mp_policy: MixedPrecisionPolicy, frozen: bool = False) -> None:
     """FSDP2 on the policy, in place: each decoder layer one unit, then the Hugging Face model as the root unit
     (embeddings, final norm, LM head; tied weights stay one parameter). LoRA adapters are sharded with the layer
     they sit in; frozen and trainable parameters share units. Activation checkpointing, when on, is the model's own
-    (`gradient_checkpointing_enable`): it recomputes inside each layer's call, where FSDP gathers the layer again."""
+    (`gradient_checkpointing_enable`): it recomputes inside each layer's call, where FSDP gathers the layer again.
+    `frozen`: a model that never runs a backward (the KL reference), whose root is freed after each forward too."""
     root = hf_model(policy)
     layers = decoder_layer_classes(root)
     for module in root.modules():
@@ -49,7 +50,7 @@ def shard_policy(policy, mesh, mp_policy: MixedPrecisionPolicy) -> None:
             # gathered for its forward, freed after it, gathered again for its backward: one layer's weights at a time
             fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     # the backward starts with the LM head: the root stays gathered from its forward to its backward
-    fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=frozen)
 
 
 def float32_master_weights(policy) -> None:
@@ -76,13 +77,21 @@ def is_sharded(module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+def reshard(module) -> None:
+    """Every FSDP2 unit in `module` sharded again: after forwards without a backward (no_grad) the root, which
+    keeps its weights gathered for the backward, would hold them until the next training step."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 @contextlib.contextmanager
 def unsharded(module):
-    """The full weights of every FSDP2 unit in `module` for the duration, for calls made outside a training step
-    (HF generation, old log-probs, validation), whose number of forwards differs between ranks. Each unit is
-    gathered once on entry (every rank, same order) and kept gathered: a forward then issues no collective. On exit
-    the units are sharded again and get back `shard_policy`'s plan (the root kept gathered after its forward, the
-    layers not). Nothing happens for a module without FSDP units."""
+    """The full weights of every FSDP2 unit in `module` for the duration, for the HF engine's generation (rollouts,
+    tips, validation), whose number of forwards differs between ranks. Each unit is gathered once on entry (every
+    rank, same order) and kept gathered: a forward then issues no collective. On exit the units are sharded again
+    and get back `shard_policy`'s plan (the root kept gathered after its forward, the layers not). Nothing happens
+    for a module without FSDP units."""
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # pre-order: the root first
     if not units:
         yield
@@ -119,13 +128,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._tensor_parallel_size = 1
         super().setup_environment()
 
-    def shard(self, policy) -> None:
+    def shard(self, policy, frozen: bool = False) -> None:
+        """`shard_policy` on this run's mesh and mixed precision (`frozen`: the KL reference)."""
         if is_sharded(policy):  # configure_model runs again for every fit of the same module
             return
         bf16 = self.mixed_precision and self.root_device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
             MixedPrecisionPolicy()
-        shard_policy(policy, self.device_mesh["data_parallel"], mp)
+        shard_policy(policy, self.device_mesh["data_parallel"], mp, frozen)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """The full optimizer state on rank 0 (empty elsewhere), keyed as `torch.optim` keys it: by the parameter's

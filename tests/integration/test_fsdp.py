@@ -126,6 +126,75 @@ def test_unsharded_gathers_each_unit_once_so_ranks_may_run_different_numbers_of_
     assert spawn_ranks(_unsharded_worker) == [(0, True, 0, True, True, True), (1, True, 0, True, True, True)]
 
 
+def _score_worker(rank: int, port: int, results) -> None:
+    """One of two gloo ranks: old log-probs on the sharded policy, with uneven numbers of micro-batches (5 and 1
+    samples, then 3 and none), against the same pass on an unsharded copy; the KL reference sharded alike."""
+    import copy
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from empo2.config import AlgoConfig, ModelConfig, TrainerConfig
+    from empo2.lit.data import RolloutBuffer, collate
+    from empo2.lit.module import EMPO2Module
+    from empo2.lit.strategy import shard_policy
+    from empo2.models import load_policy
+    from empo2.rollout.types import StepSample
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))  # a hang fails
+    try:
+        torch.manual_seed(0)  # the same weights on both ranks
+        policy, tok = load_policy(ModelConfig(name="tiny"))
+        policy.eval()
+        reference = EMPO2Module(copy.deepcopy(policy), tok, AlgoConfig(), TrainerConfig(), RolloutBuffer(),
+                                temperature=0.7)
+        ref_policy = copy.deepcopy(policy)
+        mesh = init_device_mesh("cpu", (2,))
+        shard_policy(policy, mesh, MixedPrecisionPolicy())
+        shard_policy(ref_policy, mesh, MixedPrecisionPolicy(), frozen=True)
+        module = EMPO2Module(policy, tok, AlgoConfig(kl_coef=0.1), TrainerConfig(), RolloutBuffer(),
+                             ref_policy=ref_policy, temperature=0.7)
+        g = torch.Generator().manual_seed(rank)
+
+        def samples(n: int) -> list[StepSample]:
+            out = []
+            for i in range(n):
+                prompt = torch.randint(3, 200, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+                response = torch.randint(3, 200, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+                out.append(StepSample(behaviour_ids=prompt, train_ids=prompt, response_ids=response, memory=False,
+                                      offpolicy=False, group_id=0, traj_id=i, step=0))
+            return out
+
+        gaps, counts = [], []
+        for n in ((5, 3), (1, 0))[rank]:  # micro-batches of 2: 3 forwards against 1, then 2 against none
+            batch = samples(n)
+            got, expected = module.score_behaviour(batch, 2), reference.score_behaviour(batch, 2)
+            counts.append(len(got))
+            gaps += [float((a - b).abs().max()) for a, b in zip(got, expected)]
+        resharded = all(isinstance(p, DTensor) for p in policy.parameters())
+        # the reference, sharded: the same log-probs as the policy's own (identical weights), no unit left gathered
+        batch = collate(samples(2), tok.pad_token_id)
+        valid = batch["response_mask"].bool()  # past a row's response the padded pass and the packed one differ
+        with torch.no_grad():
+            ref_gap = float((module.ref_logprobs(batch) - reference.response_logprobs(batch))[valid].abs().max())
+        ref_sharded = all(isinstance(p, DTensor) for p in ref_policy.parameters())
+        results.put((rank, counts, max(gaps, default=0.0) < 1e-5, resharded, ref_gap < 1e-5, ref_sharded))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_old_logprobs_run_on_the_shards_with_forwards_padded_to_the_busiest_rank():
+    """Ranks holding different numbers of samples (3 forwards against 1, then 2 against none) score them on the
+    sharded policy without hanging, equal to an unsharded copy's scores to float32 rounding, and leave every unit
+    sharded; the KL reference, sharded too, scores as the unsharded model does."""
+    assert spawn_ranks(_score_worker) == [(0, [5, 3], True, True, True, True), (1, [1, 0], True, True, True, True)]
+
+
 # ------------------------------------------------------------------------------------ against DDP
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["model.lora_r=4", "model.gradient_checkpointing=true"]],

@@ -204,19 +204,24 @@ def test_a_vllm_run_killed_and_resumed_ends_where_a_straight_run_ends(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_on_two_cpu_processes_gives_each_ranks_engine_the_full_weights(tmp_path, prompts):
-    """`trainer=fsdp engine=vllm` under torchrun, 2 gloo processes: each rank's engine joins the run's process group
-    and, after every update, samples from the full (gathered) new weights, not the old ones; the ranks end equal."""
+    """`trainer=fsdp engine=vllm` under torchrun, 2 gloo processes, with a KL term: each rank's engine joins the run's
+    process group and, after every update, samples from the full (gathered) new weights, not the old ones, while the
+    policy itself stays sharded through every generation (rollouts, tips, validation); the KL reference is sharded
+    too and the update trains with it; the ranks end equal."""
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(Path(__file__).with_name("vllm_rank.py")), str(tmp_path), *VLLM_TRAIN, "trainer=fsdp",
            "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "torch_threads=1",
-           f"run_root={tmp_path}", "run_name=fsdp"]
+           "algo.kl_coef=0.05", f"run_root={tmp_path}", "run_name=fsdp"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for rank in (0, 1):
-        gaps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        probed = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        gaps = probed["gaps"]
         assert len(gaps) == 2
         assert all(g["now"] <= TOL < 100 * TOL < g["before"] for g in gaps), gaps
+        assert probed["sharded_at_generate"] and all(probed["sharded_at_generate"]), probed["sharded_at_generate"]
+        assert probed["ref_sharded"] is True and probed["kl_ref_finite"], probed
     r0, r1 = (json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["weights_sha256"] == r1["weights_sha256"] and r0["memory_records"] == r1["memory_records"]

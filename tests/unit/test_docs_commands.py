@@ -8,8 +8,9 @@ What a page shows, and how it is checked:
   then `train` overrides composed and validated with `load_config` (what `empo2 train ... --cfg` does), `eval` /
   `adapt` options split and the rest composed, grid files planned with `plan_grid`, sweep files read with
   `load_sweep` (which composes every end point of the space), `config` sections described;
-- `python benchmarks/X.py ...` (or `research/X.py`): the script exists, builds an argparse parser, and defines every
-  `--option` used (read from its source, nothing imported or run); `python -m empo2.prior_rounds ...`: a round
+- `python benchmarks/X.py ...` (or `research/X.py`, or under `torchrun`): the script exists, builds an argparse
+  parser, and defines every `--option` used (read from its source, nothing imported or run);
+  `python -m empo2.prior_rounds ...`: a round
   parsed and validated by its real parser, a shipped prior's rebuild planned and every one of its rounds parsed;
   `python -c CODE`: it parses, and every name it imports from
   `empo2` and every field it passes to `dataclasses.replace` exists;
@@ -304,10 +305,11 @@ def check_argv(argv: list[str]) -> None:
         missing = [t for t in rest if not t.startswith("-") and t not in makefile_targets()]
         if missing:
             raise CommandError(f"the Makefile has no target {missing[0]}")
-    elif prog == "torchrun":
-        if "-m" not in rest:
-            raise CommandError("torchrun without -m MODULE")
-        check_python(rest[rest.index("-m"):])
+    elif prog == "torchrun":  # -m MODULE or a script, after torchrun's own options
+        scripts = [i for i, token in enumerate(rest) if token.endswith(".py")]
+        if "-m" not in rest and not scripts:
+            raise CommandError("torchrun without -m MODULE or a script")
+        check_python(rest[rest.index("-m") if "-m" in rest else scripts[0]:])
     elif prog == "srun":
         check_argv(rest)
     elif prog == "pip":

@@ -58,6 +58,10 @@ class Generation:
 
 @runtime_checkable
 class GenerationEngine(Protocol):
+    # whether the engine generates with the policy module itself (then, under FSDP, the policy's weights must be
+    # gathered while it generates) rather than with its own copy of the weights, loaded by `update_weights`
+    generates_with_policy: bool
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seed: int | None = None) -> list[Generation]:
         """One response per prompt (token ids without padding), in prompt order. The same seed, prompts and

@@ -93,6 +93,8 @@ class HFEngine:
     the trainer's log-probs assume exactly that distribution.
     """
 
+    generates_with_policy = True
+
     def __init__(self, model, tokenizer, max_batch_size: int = 64):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")

@@ -27,9 +27,12 @@ Behaviour log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, 
 logits after temperature, which is the distribution the trainer scores, as long as top_p is 1 (vLLM's
 processed log-probs are renormalised over the nucleus when top_p < 1; the engine then returns none).
 
-With sleep_mode (GPU only) the engine can hand its memory back during updates: `sleep()` offloads the
-weights and drops the KV cache; `update_weights` wakes only the weights before loading (waking the KV
-cache as well would need both at once); the next `generate` wakes the KV cache.
+With sleep_mode (GPU only) the engine can hand its memory back during updates: `sleep()` discards the
+weights and the KV cache (vLLM's level 2: nothing is copied to host memory, since the trainer syncs new weights
+into the engine after every update anyway); `update_weights` wakes only the weights before loading (waking the
+KV cache as well would need both at once); the next `generate` wakes the KV cache. Each wake first empties
+PyTorch's CUDA cache: vLLM maps its memory through its own allocator, which cannot use the blocks the update
+freed into PyTorch's cache.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class VLLMEngine:
     kv_cache_gib: memory for the KV cache; None: vLLM sizes it from gpu_memory_utilization on a GPU, and
     CPU_KV_CACHE_GIB on a CPU. llm_kwargs: further `vllm.LLM` arguments.
     """
+
+    generates_with_policy = False
 
     def __init__(self, policy, tokenizer, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
                  sleep_mode: bool = False, kv_cache_gib: float | None = None, seed: int = 0,
@@ -243,17 +248,24 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------------- sleep and wake
     def sleep(self) -> None:
-        """Offload the weights and drop the KV cache (only with sleep_mode; otherwise nothing)."""
+        """Discard the weights and the KV cache (only with sleep_mode; otherwise nothing): level 2, since the next
+        wake is always `update_weights` loading the trainer's new weights, which makes a host copy useless."""
         if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
-        """Bring back whatever `sleep` released."""
+        """Bring back the KV cache `sleep` dropped. The weights it discarded come back only with `update_weights`:
+        woken without one, the engine would sample from uninitialised memory."""
+        if "weights" in self._asleep:
+            raise RuntimeError("the engine slept at level 2, which discards its weights: update_weights must load "
+                               "them before it generates")
         if self._asleep:
             self._wake(sorted(self._asleep))
 
     def _wake(self, tags: list[str]) -> None:
+        if torch.cuda.is_initialized():  # what the trainer freed, back to the device for vLLM's own allocator
+            torch.cuda.empty_cache()
         if "tags" in inspect.signature(self.llm.wake_up).parameters:
             self.llm.wake_up(tags=tags)
             self._asleep -= set(tags)
