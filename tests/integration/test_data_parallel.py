@@ -10,12 +10,15 @@ would hide a wrong weighting (Adam's first step is nearly the gradient's sign).
 """
 
 import copy
+import io
 import os
+from datetime import timedelta
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from empo2 import core_algos
 from empo2.config import load_config
@@ -99,14 +102,21 @@ def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor],
         module = EMPO2Module(policy.train(), tok, cfg.algo, cfg.trainer, datamodule.buffer,
                              ref_policy=copy.deepcopy(policy).eval().requires_grad_(False))
         recorder = StepRecorder(first)
-        trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy=build_strategy(cfg, policy),
+        strategy_ = build_strategy(cfg, policy)
+        if strategy_ == "ddp":  # Lightning's, with a short timeout: a rank waiting for a failed one fails soon
+            strategy_ = DDPStrategy(timeout=timedelta(seconds=90))
+        else:
+            strategy_._timeout = timedelta(seconds=90)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy=strategy_,
                             precision=t.precision, logger=False, callbacks=[recorder], enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, use_distributed_sampler=False)
         trainer.fit(module, datamodule=datamodule)
         # both ranks hold the same weights and gradients: rank 0 sends them
         out[agg] = [s if rank == 0 else {"indices": s["indices"], "metrics": s["metrics"]} for s in recorder.steps]
-    results.put((rank, out))
+    data = io.BytesIO()  # as bytes: a queued tensor is a handle into this process's memory, gone when it exits
+    torch.save(out, data)
+    results.put((rank, data.getvalue()))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +157,8 @@ def test_two_uneven_ranks_compute_the_gradient_and_metrics_of_their_union(strate
     samples, old, delta = fixed
     tokens = [sum(lengths) for lengths in RESPONSE_LENGTHS]
     assert tokens[0] >= 3 * tokens[1]
-    (_, steps0), (_, steps1) = spawn_ranks(partial(_rank, strategy=strategy, old=old, delta=delta), timeout=600)
+    ranks = spawn_ranks(partial(_rank, strategy=strategy, old=old, delta=delta), timeout=600)
+    steps0, steps1 = (torch.load(io.BytesIO(data), weights_only=True) for _, data in ranks)
     for agg in core_algos.AGG_MODES:
         assert len(steps0[agg]) == len(steps1[agg]) == 3  # mini-batches of 2 over rank 0's five samples
         assert [] in [s["indices"] for s in steps1[agg]]  # a step in which rank 1 has no sample
