@@ -10,10 +10,10 @@ would hide a wrong weighting (Adam's first step is nearly the gradient's sign).
 """
 
 import copy
-import io
 import os
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -81,7 +81,7 @@ class StepRecorder(L.Callback):
             self.indices = []
 
 
-def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor], delta: float) -> None:
+def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor], delta: float, out_dir: Path) -> None:
     """One of two ranks: a one-iteration fit per loss aggregation on this rank's share of the samples."""
     # as torchrun starts a process: Lightning joins the two processes instead of launching its own
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -114,9 +114,10 @@ def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor],
         trainer.fit(module, datamodule=datamodule)
         # both ranks hold the same weights and gradients: rank 0 sends them
         out[agg] = [s if rank == 0 else {"indices": s["indices"], "metrics": s["metrics"]} for s in recorder.steps]
-    data = io.BytesIO()  # as bytes: a queued tensor is a handle into this process's memory, gone when it exits
-    torch.save(out, data)
-    results.put((rank, data.getvalue()))
+    # a file, not the queue: a queued tensor is a handle into this process's memory, gone when it exits, and a
+    # process cannot exit while its queued megabytes wait in the pipe for the parent, which joins before it reads
+    torch.save(out, out_dir / f"rank{rank}.pt")
+    results.put(rank)
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +152,13 @@ def _union_step(strategy: str, agg: str, delta: float, samples, old, weights: di
     return {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}, metrics
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_two_uneven_ranks_compute_the_gradient_and_metrics_of_their_union(strategy, fixed):
+def test_two_uneven_ranks_compute_the_gradient_and_metrics_of_their_union(strategy, fixed, tmp_path):
     samples, old, delta = fixed
     tokens = [sum(lengths) for lengths in RESPONSE_LENGTHS]
     assert tokens[0] >= 3 * tokens[1]
-    ranks = spawn_ranks(partial(_rank, strategy=strategy, old=old, delta=delta), timeout=600)
-    steps0, steps1 = (torch.load(io.BytesIO(data), weights_only=True) for _, data in ranks)
+    assert spawn_ranks(partial(_rank, strategy=strategy, old=old, delta=delta, out_dir=tmp_path), timeout=600) == [0, 1]
+    steps0, steps1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1))
     for agg in core_algos.AGG_MODES:
         assert len(steps0[agg]) == len(steps1[agg]) == 3  # mini-batches of 2 over rank 0's five samples
         assert [] in [s["indices"] for s in steps1[agg]]  # a step in which rank 1 has no sample
