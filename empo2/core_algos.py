@@ -352,7 +352,8 @@ def agg_loss(
     micro-batches runs, while the kept counts are only known after the learner has scored them. Pass
     the mini-batch's ``num_tokens`` (valid tokens) and ``num_seqs`` (responses) when ``loss_mat`` is one
     micro-batch of it: the micro-batch aggregates then sum exactly to the mini-batch aggregate,
-    whatever the split. Without them the denominators are this batch's own; responses without a valid
+    whatever the split, over micro-batches and over data-parallel ranks (with the global mini-batch's
+    counts). Without them the denominators are this batch's own; responses without a valid
     token are not counted.
 
     Denominators are clamped to 1: an all-masked input gives exactly 0 with zero gradient. Values at

@@ -25,7 +25,7 @@ from empo2 import core_algos
 from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
-from empo2.lit.data import RolloutDataModule, derive_seed, step_counts
+from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.lit.progress import Phase
 from empo2.lit.strategy import unsharded
 from empo2.rollout.collector import RolloutCollector
@@ -106,7 +106,7 @@ class RolloutCallback(L.Callback):
         """This iteration's rollouts, old log-probs and mini-batch count, into the DataModule's buffer."""
         cfg, it = self.cfg, self.iteration
         if it >= cfg.trainer.iterations:  # a finished run resumed: Lightning still opens the stream once
-            self.datamodule.set_rollouts([], [], it, 0)
+            self.datamodule.set_rollouts([], [], it)  # no rank has a sample: nothing to agree on
             return
         rank, world = trainer.global_rank, trainer.world_size
         # the schedule ends on the last iteration that runs (iterations - 1), so that one uses beta_end
@@ -131,20 +131,10 @@ class RolloutCallback(L.Callback):
 
         if cfg.algo.update_policy:  # on the shards under FSDP, forwards padded to the busiest rank's
             old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
-            busiest = len(batch.samples)
+            samples = batch.samples
         else:  # memory-only agent: the iteration is its rollouts (and tips); nothing to train on
-            old, busiest = [], 0
-        if world > 1:  # every rank runs as many optimiser steps (and backward passes) as the busiest one
-            t = torch.tensor([busiest], device=pl_module.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            busiest = int(t.item())
-        n_mini, micro_per_mini = step_counts(busiest, world, cfg.trainer.mini_batch_size, cfg.trainer.micro_batch_size)
-        if world > 1 and cfg.trainer.micro_batch_tokens is not None:  # the cut depends on each rank's sample sizes
-            need = torch.tensor([self.datamodule.micro_batches_needed(batch.samples, it, n_mini, rank)],
-                                device=pl_module.device)
-            dist.all_reduce(need, op=dist.ReduceOp.MAX)
-            micro_per_mini = int(need.item())
-        self.datamodule.set_rollouts(batch.samples, old, it, n_mini, micro_per_mini)
+            old, samples = [], []
+        n_mini = self.datamodule.set_rollouts(samples, old, it, rank, world, pl_module.device)
         self.phase.set("update", 0, n_mini * cfg.trainer.ppo_epochs, it)
         steps = torch.tensor([len(batch.samples)], device=pl_module.device)  # one sample per environment step
         if world > 1:

@@ -7,17 +7,20 @@ epoch-start hook matters: Lightning creates (and prefetches from) the first epoc
 `on_train_epoch_start`, both on a fresh start and on resume, so a hook-filled buffer would be read
 while still empty. Each rank streams its own buffer (its own share of the rollouts);
 `num_mini_batches` (and, under data parallelism, `micro_per_mini`) even the number of optimiser
-steps and backward passes across ranks so collective ops never wait on a rank that ran out of data.
+steps and backward passes across ranks so collective ops never wait on a rank that ran out of data,
+and `normalisers` make every rank normalise its loss by the global mini-batch's counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from empo2.rollout.types import StepSample
@@ -32,6 +35,9 @@ class RolloutBuffer:
     # micro-batches per mini-batch on every rank (zero-weight padding where a rank has fewer), or None on one
     # rank, where nothing has to line up
     micro_per_mini: int | None = None
+    # (valid tokens, responses) of each global mini-batch of the iteration, in plan order (epoch by epoch), summed
+    # over the data-parallel ranks; None on one rank, where a mini-batch's own counts are the global ones
+    normalisers: list[tuple[int, int]] | None = None
 
 
 def collate(samples: list[StepSample], pad_id: int, prompt: str = "train") -> dict[str, torch.Tensor]:
@@ -85,7 +91,9 @@ class MicroBatch:
     """One forward/backward: `indices` into the buffer; the optimiser steps after the micro-batch with
     `last` set. `num_tokens` and `num_seqs` are the valid response tokens and the responses of the whole
     mini-batch, known before any micro-batch runs: the loss normalises by them, so the micro-batch losses
-    add up to the mini-batch loss however the mini-batch is split. `weight` is 0 for the padding
+    add up to the mini-batch loss however the mini-batch is split. Under data parallelism they are those of
+    the global mini-batch, every rank's k-th mini-batch together (`with_normalisers`), so the rank losses add
+    up to its loss however the samples are spread over ranks. `weight` is 0 for the padding
     micro-batches that only keep ranks in step (their gradient is exactly zero), else 1. `closes_iteration`
     marks the iteration's last micro-batch: the module logs the iteration's metrics once, after it."""
 
@@ -161,6 +169,20 @@ def plan_epoch(lengths: list[int], num_mini_batches: int, micro_batch_size: int,
     return plan
 
 
+def mini_batch_counts(plan: list[list[MicroBatch]]) -> list[tuple[int, int]]:
+    """(valid tokens, responses) of each mini-batch of a plan: a rank's part of the global normalisers."""
+    return [(mini[0].num_tokens, mini[0].num_seqs) for mini in plan]
+
+
+def with_normalisers(plan: list[list[MicroBatch]], normalisers: list[tuple[int, int]]) -> list[list[MicroBatch]]:
+    """The plan with each mini-batch's loss normalisers replaced by the global mini-batch's (tokens, responses):
+    the sums of every rank's `mini_batch_counts`, mini-batch by mini-batch."""
+    if len(normalisers) != len(plan):
+        raise ValueError(f"{len(normalisers)} normalisers for a plan of {len(plan)} mini-batches")
+    return [[dataclasses.replace(mb, num_tokens=tokens, num_seqs=seqs) for mb in mini]
+            for mini, (tokens, seqs) in zip(plan, normalisers)]
+
+
 def plan_iteration(samples: list[StepSample], iteration: int, num_mini_batches: int, ppo_epochs: int,
                    micro_batch_size: int, token_budget: int | None, micro_per_mini: int | None, seed: int,
                    rank: int) -> list[list[MicroBatch]]:
@@ -195,6 +217,8 @@ class _MicroBatchStream(IterableDataset):
             return
         plan = plan_iteration(buf.samples, buf.iteration, buf.num_mini_batches, self.ppo_epochs, self.micro,
                               self.token_budget, buf.micro_per_mini, self.seed, self.rank)
+        if buf.normalisers is not None:
+            plan = with_normalisers(plan, buf.normalisers)
         micros = [mb for mini in plan for mb in mini]
         micros[-1].closes_iteration = True
         yield from micros
@@ -226,11 +250,35 @@ class RolloutDataModule(L.LightningDataModule):
                               self.token_budget, None, self.seed, rank)
         return max((len(mini) for mini in plan), default=0)
 
-    def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int,
-                     num_mini_batches: int, micro_per_mini: int | None = None) -> None:
-        self.buffer.samples, self.buffer.old_logprobs = samples, old_logprobs
-        self.buffer.iteration, self.buffer.num_mini_batches = iteration, num_mini_batches
-        self.buffer.micro_per_mini = micro_per_mini
+    def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int, rank: int = 0,
+                     world_size: int = 1, device: torch.device | None = None) -> int:
+        """This rank's rollouts and their old log-probs into the buffer, with what the ranks must agree on before
+        the update (three all-reduces under data parallelism, every rank calling): the mini-batches per epoch and
+        micro-batches per mini-batch, set by the busiest rank (under a token budget, by the largest cut any rank
+        needs), so collective ops never wait on a rank that ran out of data; and the loss normalisers, the valid
+        tokens and responses of each global mini-batch (every rank's k-th mini-batch together: the plans are a
+        function of each rank's samples and seed, so counting them here gives the counts the stream will yield).
+        Returns the mini-batches per epoch, 0 when no rank has a sample."""
+        busiest = torch.tensor([len(samples)], device=device)
+        if world_size > 1:
+            dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        n_mini, micro_per_mini = step_counts(int(busiest.item()), world_size, self.mini_batch_size,
+                                             self.micro_batch_size)
+        normalisers = None
+        if world_size > 1 and n_mini > 0:  # n_mini is the same on every rank: all or none of them reduce
+            if self.token_budget is not None:  # the cut depends on each rank's sample sizes
+                need = torch.tensor([self.micro_batches_needed(samples, iteration, n_mini, rank)], device=device)
+                dist.all_reduce(need, op=dist.ReduceOp.MAX)
+                micro_per_mini = int(need.item())
+            plan = plan_iteration(samples, iteration, n_mini, self.ppo_epochs, self.micro_batch_size,
+                                  self.token_budget, micro_per_mini, self.seed, rank)
+            counts = torch.tensor(mini_batch_counts(plan), dtype=torch.long, device=device)  # (epochs x n_mini, 2)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            normalisers = [(tokens, seqs) for tokens, seqs in counts.tolist()]
+        buf = self.buffer
+        buf.samples, buf.old_logprobs, buf.iteration = samples, old_logprobs, iteration
+        buf.num_mini_batches, buf.micro_per_mini, buf.normalisers = n_mini, micro_per_mini, normalisers
+        return n_mini
 
     def train_dataloader(self) -> DataLoader:
         if self.producer is None:

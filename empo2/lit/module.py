@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from empo2 import core_algos
@@ -158,8 +159,9 @@ class EMPO2Module(L.LightningModule):
     def micro_batch_loss(self, micro: MicroBatch,
                          passes: list | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """The EMPO² loss of one micro-batch as its part of the mini-batch loss: every term is normalised by
-        the whole mini-batch's valid tokens / responses (`MicroBatch`), so the micro-batch losses, and their
-        gradients, add up to the mini-batch's however it is split. Returns (loss, metrics, offpolicy (b,)).
+        the whole mini-batch's valid tokens / responses (`MicroBatch`; under data parallelism the global
+        mini-batch's), so the micro-batch losses, and their gradients, add up to the mini-batch's however it is
+        split, over micro-batches and over ranks. Returns (loss, metrics, offpolicy (b,)).
         With `passes`, the loss's backward must be followed by `backward_passes(passes)`."""
         a = self.algo
         samples = [self.buffer.samples[i] for i in micro.indices]
@@ -200,17 +202,19 @@ class EMPO2Module(L.LightningModule):
             release_free_memory()
         # Backward even when the loss is not finite, and for zero-weight padding: under DDP every rank must
         # reduce, and a NaN then reaches every rank's gradient norm, so all ranks skip the same step.
-        self.manual_backward(loss * micro.weight)
+        # DDP and FSDP2 average the ranks' gradients; each rank's loss is its part of the global mini-batch's
+        # (normalised by the global counts), so scaling it by the number of ranks turns that average into the
+        # sum of the parts: the gradient of the global mini-batch's loss, as verl scales by its dp size.
+        self.manual_backward(loss * (micro.weight * self.trainer.world_size))
         self.backward_passes(passes)
-        if micro.weight:
-            tokens = sum(len(self.buffer.samples[i].response_ids) for i in micro.indices)
-            share = tokens / max(micro.num_tokens, 1)  # this micro-batch's share of the mini-batch's tokens
-            for k, v in metrics.items():
-                # loss, kl_ref and entropy are already parts of the mini-batch aggregate: they add up
-                w = 1.0 if k in ("loss", "kl_ref", "entropy") else share
-                self._totals[k] = self._totals.get(k, 0.0) + v * w
-            self._totals["offpolicy_frac"] = self._totals.get("offpolicy_frac", 0.0) + \
-                float(offpolicy.float().sum()) / max(micro.num_seqs, 1)
+        metrics["offpolicy_frac"] = float(offpolicy.float().sum()) / max(micro.num_seqs, 1)
+        tokens = sum(len(self.buffer.samples[i].response_ids) for i in micro.indices)
+        share = tokens / max(micro.num_tokens, 1)  # this micro-batch's share of the mini-batch's tokens
+        for k, v in metrics.items():
+            # loss, kl_ref, entropy and offpolicy_frac are already parts of the mini-batch's: they add up. Every
+            # rank adds every key, padding a zero, since `_step` sums the ranks' totals key by key.
+            part = (v if k in ("loss", "kl_ref", "entropy", "offpolicy_frac") else v * share) if micro.weight else 0.0
+            self._totals[k] = self._totals.get(k, 0.0) + part
         if micro.last:
             self._step()
             maybe_fail("update", self.buffer.iteration)
@@ -227,7 +231,7 @@ class EMPO2Module(L.LightningModule):
 
     def _step(self) -> None:
         opt = self.optimizers()
-        totals, self._totals = self._totals, {}
+        totals, self._totals = self._global(self._totals), {}
         grad_norm = self._clip_gradients()
         if not (math.isfinite(grad_norm) and math.isfinite(totals.get("loss", 0.0))):
             opt.zero_grad(set_to_none=True)
@@ -252,6 +256,17 @@ class EMPO2Module(L.LightningModule):
             acc = self._iteration.setdefault(k, [0.0, 0])
             acc[0] += v
             acc[1] += 1
+
+    def _global(self, totals: dict[str, float]) -> dict[str, float]:
+        """The global mini-batch's metrics from every rank's parts of them (one all-reduce per optimiser step): each
+        part is already weighted by the global counts, so the sum is the metric one process holding the whole
+        mini-batch logs; every rank then judges the same loss finite or not."""
+        if self.trainer.world_size == 1:
+            return totals
+        keys = sorted(totals)
+        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return dict(zip(keys, t.tolist()))
 
     def _log_iteration(self) -> None:
         """One value per iteration, the mean over its optimiser steps (skipped ones excluded, each other

@@ -621,6 +621,40 @@ def test_agg_loss_of_micro_batches_sums_to_the_mini_batch_aggregate(mode):
         torch.testing.assert_close(grad, grad_whole)
 
 
+def test_data_parallel_ranks_normalised_by_the_global_counts_and_averaged_give_the_global_aggregate_by_hand():
+    """Two ranks of one mini-batch: rank 0 holds token losses [1, 2, 3] (one response), rank 1 [10] (one response).
+    Normalised by the global counts (4 tokens, 2 responses), each rank's loss scaled by the 2 ranks and averaged (as
+    DDP and FSDP2 reduce) is the union's aggregate; normalised by each rank's own counts it is not."""
+    parts = [torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[10.0, 0.0, 0.0]])]
+    valid = [torch.tensor([[True, True, True]]), torch.tensor([[True, False, False]])]
+    by_hand = {"token-mean": 16 / 4, "seq-mean-token-mean": (2 + 10) / 2, "seq-mean-token-sum": (6 + 10) / 2}
+    for mode, expected in by_hand.items():
+        ranks = [2 * ca.agg_loss(m, v, mode, num_tokens=4, num_seqs=2) for m, v in zip(parts, valid)]
+        assert (sum(ranks) / 2).item() == pytest.approx(expected)
+    local = sum(ca.agg_loss(m, v, "token-mean") for m, v in zip(parts, valid)) / 2
+    assert local.item() == pytest.approx((2 + 10) / 2)  # the mean of the ranks' token-means: rank 1's token weighs 3x
+
+
+@pytest.mark.parametrize("mode", ca.AGG_MODES)
+def test_data_parallel_gradient_with_global_counts_is_the_union_gradient_even_with_an_empty_rank(mode):
+    """Any split of a mini-batch over ranks, uneven or leaving a rank nothing (its padding gives a zero loss): the mean
+    of the ranks' gradients of world x agg_loss(rank part, global counts) is the gradient of the union's aggregate."""
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 8
+    lengths = torch.tensor([8, 7, 6, 8, 1, 2])
+    valid = torch.arange(T)[None, :] < lengths[:, None]  # (B, T)
+    keep = valid & (torch.rand(B, T, generator=g) > 0.3)
+    loss_mat = torch.randn(B, T, generator=g).requires_grad_()
+    (grad_whole,) = torch.autograd.grad(ca.agg_loss(loss_mat, keep, mode, valid), loss_mat)
+    for ranks in ([[0, 1, 2, 3], [4, 5]], [[0, 1, 2, 3, 4, 5], []], [[0], [1], [2, 3, 4, 5]]):
+        world, grads = len(ranks), []
+        for rows in ranks:  # each rank's backward of its scaled loss; a rank without a sample runs zero-weight padding
+            weight, rows = (1.0, rows) if rows else (0.0, [0])
+            part = ca.agg_loss(loss_mat[rows], keep[rows], mode, valid[rows], int(valid.sum()), B)
+            grads += torch.autograd.grad(part * (weight * world), loss_mat)
+        torch.testing.assert_close(torch.stack(grads).mean(0), grad_whole)  # the reduce averages over ranks
+
+
 def test_agg_loss_counts_masked_tokens_as_zero_loss_tokens_by_hand():
     loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     valid = torch.tensor([[True, True, True], [True, False, False]])

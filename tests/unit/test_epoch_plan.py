@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from empo2.lit.data import RolloutDataModule, cut_micro_batches, plan_epoch, plan_iteration, step_counts
+from empo2.lit.data import (
+    RolloutDataModule,
+    cut_micro_batches,
+    mini_batch_counts,
+    plan_epoch,
+    plan_iteration,
+    step_counts,
+    with_normalisers,
+)
 from empo2.rollout.types import StepSample
 
 
@@ -133,3 +141,33 @@ def test_ranks_agree_on_the_micro_batch_count_their_token_budgets_need():
         structures.append([[mb.last for mb in mini] for mini in plan])
         assert all(len(mini) == max(needed) for mini in plan)
     assert structures[0] == structures[1]
+
+
+def test_the_global_normalisers_are_the_union_of_the_ranks_kth_mini_batches():
+    """Rank 0 holds 5 long responses, rank 1 two short ones (11x fewer tokens), so rank 1's first mini-batch is
+    empty: the sum of the ranks' counts is each global mini-batch's valid tokens and responses, and every
+    micro-batch of every rank, padding included, normalises by them; indices, weights and steps are unchanged."""
+    lengths = [[9, 11, 8, 10, 6], [2, 2]]
+    n_mini, micro_per_mini = step_counts(5, 2, 2, 1)
+    plans = [plan_epoch(ls, n_mini, 1, micro_per_mini, torch.Generator().manual_seed(r))
+             for r, ls in enumerate(lengths)]
+    assert mini_batch_counts(plans[1])[0] == (0, 0)  # rank 1 has no sample in the first mini-batch
+    normalisers = [tuple(map(sum, zip(*ks))) for ks in zip(*map(mini_batch_counts, plans))]
+    for plan in plans:
+        globalised = with_normalisers(plan, normalisers)
+        for k, (mini, old) in enumerate(zip(globalised, plan)):
+            union = [(r, i) for r, p in enumerate(plans) for mb in p[k] if mb.weight for i in mb.indices]
+            assert all((mb.num_tokens, mb.num_seqs) == (sum(lengths[r][i] for r, i in union), len(union))
+                       for mb in mini)
+            assert [(mb.indices, mb.weight, mb.last) for mb in mini] == [(mb.indices, mb.weight, mb.last) for mb in old]
+    assert sum(t for t, _ in normalisers) == sum(map(sum, lengths)) and sum(s for _, s in normalisers) == 7
+    with pytest.raises(ValueError, match="2 normalisers for a plan of 3 mini-batches"):
+        with_normalisers(plans[0], normalisers[:2])
+
+
+def test_one_rank_keeps_its_own_counts():
+    samples = [StepSample(behaviour_ids=[1], train_ids=[1], response_ids=[2] * (1 + i), memory=False, offpolicy=False,
+                          group_id=0, traj_id=i, step=0) for i in range(5)]
+    dm = RolloutDataModule(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1, seed=0)
+    assert dm.set_rollouts(samples, [], 0) == 3
+    assert dm.buffer.normalisers is None and dm.buffer.micro_per_mini is None
