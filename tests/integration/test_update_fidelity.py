@@ -562,3 +562,24 @@ def test_an_engine_with_its_own_weights_samples_from_the_restored_policy_after_r
     train(load_config(args + ["resume=auto"]))
     first_generate = next(fp for kind, fp in OwnWeightsEngine.events if kind == "generate")
     assert first_generate == state_fingerprint(restored)
+
+
+def test_a_bfloat16_update_logs_the_gap_every_iteration_and_a_float32_one_has_none_by_construction(tmp_path, capsys):
+    """bf16-mixed: HF generates under the update's autocast, the scoring pass runs, and every iteration logs
+    rollout/logprob_gap_* (the closing report averages them); 32-true with the engine at float32: the engine's
+    log-probs are the old ones and the report says the gap is 0 by construction."""
+    from empo2.cli import print_report
+
+    args = FAST + ["trainer.val_every=5", f"run_root={tmp_path}"]
+    bf16 = train(load_config(args + ["trainer.precision=bf16-mixed", "run_name=bf16"]))
+    gaps = [h for h in bf16["history"] if "rollout/logprob_gap_mean" in h]
+    assert [h["iteration"] for h in gaps] == [0, 1] and not bf16["logprobs_exact"]
+    assert all(0 < h["rollout/logprob_gap_mean"] <= h["rollout/logprob_gap_max"] and h["rollout/logprob_gap_kl"] > 0
+               for h in gaps)
+    fp32 = train(load_config(args + ["trainer.iterations=1", "run_name=fp32"]))
+    assert fp32["logprobs_exact"] and not any("rollout/logprob_gap_mean" in h for h in fp32["history"])
+    print_report(bf16)
+    print_report(fp32)
+    out = capsys.readouterr().out
+    assert "sampler/trainer gap |log pi_old - log pi_engine| per token: mean" in out
+    assert "sampler/trainer gap: 0 by construction" in out
