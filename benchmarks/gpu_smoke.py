@@ -32,6 +32,12 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
   sleep_level2_sync   sleep (level 2: weights discarded, KV cache dropped) frees GPU memory, generating before
                       a sync is refused, the wake empties PyTorch's CUDA cache, and after the sync the seeded
                       samples and their log-probs are those of the engine before it slept
+  engine_dtype     engine.dtype=auto is the trainer's compute precision: a float32 policy under bf16-mixed gets a
+                   bfloat16 vLLM engine, under 32-true a float32 one (never the parameters' dtype)
+  engine_gap       a float32 trainer's scoring against vLLM at float32 and at bfloat16 on the same prompts
+                   (rollout/logprob_gap_*): the bfloat16 engine's gap is the larger; numbers reported
+  engine_gap_train `empo2 train engine=vllm trainer.precision=bf16-mixed algo.tis_cap=2`: one iteration logs
+                   rollout/logprob_gap_{mean,max,kl}
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -134,7 +140,7 @@ def main() -> int:
     @check("vllm_start")
     def _():
         state["engine"] = VLLMEngine(policy, tok, gpu_memory_utilization=args.gpu_memory_utilization, sleep_mode=True,
-                                     llm_kwargs={"enforce_eager": args.enforce_eager})
+                                     llm_kwargs={"enforce_eager": args.enforce_eager}, dtype=args.dtype)
         import vllm
         return {"vllm": vllm.__version__}
 
@@ -142,7 +148,8 @@ def main() -> int:
     if engine is None:
         for name in ("vllm_greedy", "vllm_seeds", "vllm_logprobs", "sleep_update", "restore", "lora_merge",
                      "throughput", "vllm_fsdp_train", "vllm_tensor_parallel",
-                     "sleep_level2_sync"):
+                     "sleep_level2_sync", "engine_dtype", "engine_gap",
+                     "engine_gap_train"):
             RESULTS.append({"check": name, "status": "SKIP", "reason": "vLLM engine did not start"})
             print(f"[SKIP] {name}")
         return report(args.out)
@@ -395,6 +402,79 @@ def main() -> int:
         assert gap < 1e-3, f"log-probs after sleep and sync differ by {gap}"
         return {"freed_gib": round(freed / (1 << 30), 3), "cache_emptied_gib": round(emptied / (1 << 30), 3),
                 "max_logprob_gap": gap}
+    # ---------------------------------------------------------------------------------------------------------------
+    # Engine precision and the sampler/trainer gap (engine.dtype, rollout/logprob_gap_*, algo.tis_cap)
+    # ---------------------------------------------------------------------------------------------------------------
+    engine.sleep()  # the checks below start engines of their own
+    fp32_policy = copy.deepcopy(policy).float()
+
+    def gap_engine(dtype: str):
+        return VLLMEngine(fp32_policy, tok, gpu_memory_utilization=args.gpu_memory_utilization / 2, dtype=dtype,
+                          llm_kwargs={"enforce_eager": args.enforce_eager})
+
+    def close(eng) -> None:
+        eng.llm = None  # vLLM frees its memory with the last reference
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    @check("engine_dtype")
+    def _():
+        from empo2.config import load_config
+        from empo2.rollout.build import engine_dtype
+
+        resolved = {p: engine_dtype(load_config([f"trainer.precision={p}", "model.dtype=float32"]))
+                    for p in ("bf16-mixed", "32-true")}
+        assert resolved == {"bf16-mixed": "bfloat16", "32-true": "float32"}, resolved
+        eng = gap_engine(resolved["bf16-mixed"])
+        try:
+            built = eng.llm.llm_engine.model_config.dtype
+            assert built == torch.bfloat16, f"a bf16-mixed run's engine computes in {built}"
+        finally:
+            close(eng)
+        return {"resolved": resolved, "vllm_dtype": str(built)}
+
+    @check("engine_gap")
+    def _():
+        from empo2.config import AlgoConfig, TrainerConfig
+        from empo2.core_algos import logprob_gap
+        from empo2.lit.data import RolloutBuffer
+        from empo2.lit.module import EMPO2Module
+        from empo2.rollout.types import StepSample
+
+        params = SamplingParams(temperature=1.0, max_new_tokens=24, logprobs=True)
+        # 32-true scoring; `.to` tells the LightningModule where its policy lives (it assumes the CPU otherwise)
+        module = EMPO2Module(fp32_policy, tok, AlgoConfig(), TrainerConfig(), RolloutBuffer()).to(fp32_policy.device)
+        gaps = {}
+        for dtype in ("float32", "bfloat16"):
+            eng = gap_engine(dtype)
+            try:
+                gens = eng.generate(prompts, params, seed=3)
+            finally:
+                close(eng)
+            samples = [StepSample(behaviour_ids=p, train_ids=p, response_ids=g.token_ids, memory=False,
+                                  offpolicy=False, group_id=0, traj_id=i, step=0)
+                       for i, (p, g) in enumerate(zip(prompts, gens))]
+            gaps[dtype] = logprob_gap(torch.cat([s.float() for s in module.score_behaviour(samples, 4)]),
+                                      torch.cat([torch.tensor(g.logprobs) for g in gens]))
+        assert gaps["bfloat16"]["mean"] > gaps["float32"]["mean"], gaps
+        return {"gap": gaps}
+
+    @check("engine_gap_train")
+    def _():
+        with tempfile.TemporaryDirectory() as root:
+            cmd = [sys.executable, "-m", "empo2.cli", "train", "trainer=gpu", "trainer.precision=bf16-mixed",
+                   "model.dtype=float32", "trainer.iterations=1", "engine=vllm", "algo.tis_cap=2",
+                   "rollout.tasks_per_batch=2", "env.max_steps=4", "env.val_variations=1", "logger=none",
+                   f"run_root={root}", "run_name=gap"]
+            if args.model_path:
+                cmd += ["model=hf", f"model.path={args.model_path}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            summary = json.loads((Path(root) / "gap" / "summary.json").read_text())
+        gap = {k: v for k, v in summary["history"][0].items() if k.startswith("rollout/logprob_gap_")}
+        assert set(gap) == {f"rollout/logprob_gap_{k}" for k in ("mean", "max", "kl")}, summary["history"][0]
+        return gap
 
     return report(args.out)
 

@@ -154,13 +154,31 @@ def run_findings(history: list[dict]) -> list[str]:
     return lines
 
 
+def gap_lines(summary: dict) -> list[str]:
+    """The sampler/trainer gap of a run: 0 by construction where the engine's log-probs were the old log-probs,
+    else the per-iteration `rollout/logprob_gap_*` over the run (nothing where no engine log-probs were kept)."""
+    from empo2.utils import plural
+
+    if summary.get("logprobs_exact"):
+        return ["sampler/trainer gap: 0 by construction (the engine's log-probs, float32 like the trainer's, were "
+                "the old log-probs: no scoring pass)"]
+    rows = [h for h in summary.get("history", []) if "rollout/logprob_gap_mean" in h]
+    if not rows:
+        return []
+    mean = sum(h["rollout/logprob_gap_mean"] for h in rows) / len(rows)
+    worst = max(h["rollout/logprob_gap_max"] for h in rows)
+    kl = sum(h["rollout/logprob_gap_kl"] for h in rows) / len(rows)
+    return [f"sampler/trainer gap |log pi_old - log pi_engine| per token: mean {mean:.2e} and KL(engine || trainer) "
+            f"{kl:.2e} (averaged over {plural(len(rows), 'iteration')}), max {worst:.2e}"]
+
+
 def print_report(summary: dict) -> None:
     """The closing lines of a run: what it shows, the final numbers and where everything went."""
     m = summary["metrics"]
     shown = ["rollout/return", "rollout/score", "rollout/success", "val/score_nomem", "val/success_nomem",
              "val/score_mem", "val/success_mem", "memory/size", "time/total_s"]
     print("\n== empo2 run finished ==")
-    for line in run_findings(summary.get("history", [])):
+    for line in run_findings(summary.get("history", [])) + gap_lines(summary):
         print(f"  {line}")
     for key in shown:
         if key in m:

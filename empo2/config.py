@@ -161,6 +161,18 @@ class AlgoConfig:
                          "as in the paper).", ge=0)
     kl_kind: str = opt("k3", "KL estimator.", choices=("k1", "k3"))
     entropy_coef: float = opt(0.0, "Entropy bonus weight (0 in the paper).", ge=0)
+    tis_cap: float | None = opt(None, "Truncated importance sampling of the sampler/trainer gap: each token's policy "
+                                "loss (the clipped term; not the KL or entropy terms) is multiplied by min(pi_old / "
+                                "pi_engine, tis_cap), detached, where pi_engine is the engine's log-prob of the token "
+                                "as it sampled it and pi_old the trainer's scoring pass (`rollout/logprob_gap_*` "
+                                "shows how far apart they are). Weight 1 where the engine recorded no log-probs, or "
+                                "where its log-probs are the old ones (`rollout.generation_logprobs` exact mode). The "
+                                "low-probability mask (`delta`) reads the trainer's log-probs either way "
+                                "(`mask_logprobs`), never the engine's. null (off) as verl ships it "
+                                "(`actor.tis_imp_ratio_cap=-1`) and as the released code ran; TRL turns it on by "
+                                "default (`vllm_importance_sampling_correction`, token-level truncation at 2-3). On, "
+                                "it corrects a bfloat16 engine's gap at the cost of a noisier gradient; 2 is the "
+                                "usual cap.", ge=1, nullable=True)
     update_policy: bool = opt(True, "False: memory-only agent (Reflexion-style): rollouts write and retrieve tips "
                               "but the weights never change. The paper's no-update baseline and OOD adaptation.")
 
@@ -205,14 +217,17 @@ class RolloutConfig:
     generation_logprobs: bool = opt(True, "Take the behaviour (old) log-probs of the update from `generate`, which "
                                     "already computed softmax(logits / temperature) at every sampled token, instead "
                                     "of a second forward pass over the same prompts. Used only where that is the "
-                                    "distribution the trainer scores to float32 rounding: "
-                                    "`trainer.precision=32-true` and `model.dtype=float32`, with the HF engine (the "
+                                    "distribution the trainer scores to float32 rounding: the engine computes in the "
+                                    "trainer's precision and that precision is float32 (`trainer.precision=32-true` "
+                                    "with `engine.dtype` auto or float32), and `top_p` = 1. Then the HF engine (the "
                                     "policy module itself; a KV-cached decode step sums in another order, as batches "
-                                    "of another shape do; tests bound the gap by 1e-5) or vLLM (weights synced "
-                                    "before every rollout, its own kernels; tests bound it by 2e-4, and it returns "
-                                    "none under `top_p` < 1); elsewhere the pass runs. False keeps "
-                                    "the pass, whose first on-policy ratio is 1 to the bit (on a GPU at "
-                                    "micro_batch_size 1; on a CPU every row is scored on its own, so at any size).")
+                                    "of another shape do; tests bound the gap by 1e-5) and vLLM (weights synced "
+                                    "before every rollout, its own kernels; tests bound it by 2e-4) both qualify; "
+                                    "in bfloat16 two passes of different shapes differ by bfloat16 rounding, and a "
+                                    "nucleus renormalises vLLM's log-probs, so there the pass runs (and "
+                                    "`rollout/logprob_gap_*` measure the engine against it). False keeps the pass, "
+                                    "whose first on-policy ratio is 1 to the bit (on a GPU at micro_batch_size 1; on "
+                                    "a CPU every row is scored on its own, so at any size).")
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -277,6 +292,24 @@ class EngineConfig:
                            "weights discarded, not copied to host memory (vLLM's sleep level 2), since the weight "
                            "sync after each update reloads them. Frees both for training; costs a wake-up per "
                            "iteration.")
+    dtype: str = opt("auto", "Precision the engine computes in. `auto`: the trainer's compute precision, bfloat16 "
+                     "under trainer.precision=bf16-mixed or bf16-true, float32 under 32-true (never the dtype the "
+                     "weights are stored or read in). vLLM gets the weights cast to it at every sync; HF generate "
+                     "runs in its autocast (bfloat16, float16) or in the parameters' dtype (float32), so under `auto` "
+                     "it samples in the update's precision context. float32 next to a 32-true trainer is what lets "
+                     "the engine's log-probs stand in for the scoring pass (`rollout.generation_logprobs`); "
+                     "bfloat16 samples about twice as fast on GPUs, at a sampler/trainer gap "
+                     "(`rollout/logprob_gap_*`, correctable with `algo.tis_cap`).",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    max_model_len: int | None = opt(None, "vLLM's longest request, prompt + response tokens (it also checks at start "
+                                    "that one such request fits the KV cache). null: the largest request the "
+                                    "rollout can make, max(max_prompt_tokens + the top_k tips + max_new_tokens, "
+                                    "the tip request budget + tip_max_new_tokens), at most the model's "
+                                    "max_position_embeddings; required where prompts are unbounded "
+                                    "(rollout.overlong=drop, rollout.tips_in_history). A request over it stops the "
+                                    "run with an error naming this key. Larger admits longer prompts, but vLLM "
+                                    "will not start unless one request that long fits its KV cache (Qwen2.5-7B's "
+                                    "32,768 positions need 1.75 GiB of bfloat16 cache).", gt=0, nullable=True)
 
 
 # --------------------------------------------------------------------------------------------- trainer
@@ -503,6 +536,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > 0:  # `auto`: resolved on the machine (preflight)
         check_tensor_parallel(cfg.engine.tensor_parallel_size, cfg.trainer.devices * cfg.trainer.num_nodes,
                               cfg.trainer.devices)
+    if cfg.engine.name == "vllm" and cfg.engine.max_model_len is None:
+        unbounded = ("rollout.overlong=drop" if cfg.rollout.overlong == "drop" else
+                     "rollout.tips_in_history=true" if cfg.rollout.tips_in_history else None)
+        if unbounded:
+            raise ConfigError(f"engine.max_model_len is required with engine.name=vllm and {unbounded}: prompts have "
+                              "no bound to derive vLLM's longest request from; give it in tokens")
     if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
         raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
                           f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")

@@ -424,6 +424,7 @@ def policy_loss(
     response_mask: torch.Tensor | None = None,
     num_tokens: int | None = None,
     num_seqs: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dual-clip PPO surrogate, the single loss of both EMPO² update modes.
 
@@ -450,6 +451,8 @@ def policy_loss(
             as zero-loss tokens) and the ``masked_frac`` metric; default ``loss_mask``.
         num_tokens, num_seqs: the mini-batch's valid tokens and responses when this is one micro-batch of
             it (see `agg_loss`), so micro-batch losses add up to the mini-batch loss.
+        token_weights: (B, T) constants each token's clipped loss is multiplied by before aggregation
+            (truncated importance sampling, `truncated_is_weights`); None: 1 everywhere.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss and python floats, each a mean over kept tokens
@@ -497,6 +500,9 @@ def policy_loss(
         loss_dual = -adv * dual_clip_c
         dual_active = (adv < 0) & (loss_dual < loss_mat)
         loss_mat = torch.where(dual_active, loss_dual, loss_mat)
+    if token_weights is not None:
+        _check_same_shape(logprobs=logprobs, token_weights=token_weights)
+        loss_mat = loss_mat * token_weights.detach().float()
     loss = agg_loss(loss_mat, keep, agg, response_mask, num_tokens, num_seqs)
 
     with torch.no_grad():
@@ -518,6 +524,60 @@ def policy_loss(
             "masked_frac": masked_frac,
         }
     return loss, metrics
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weights of the sampler/trainer gap: ``min(pi_old / pi_engine, cap)``.
+
+    The responses were sampled by the generation engine (``pi_engine``, e.g. vLLM in bfloat16), while the clipped
+    ratio assumes they came from ``pi_old``, the trainer's scoring of the same tokens before the update. Weighting
+    each token's loss by ``pi_old / pi_engine`` corrects the expectation to ``pi_old``'s; truncating at ``cap``
+    bounds the variance a token the engine found much less likely than the trainer would add (Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"; TRL's token-level truncation,
+    verl's ``rollout_is``). A token whose engine log-prob equals ``pi_old``'s gets exactly 1, so pass
+    ``old_logprobs`` itself as ``engine_logprobs`` for samples without engine log-probs.
+
+    Args:
+        old_logprobs: (B, T) trainer log-probs of the behaviour prompt (detached here).
+        engine_logprobs: (B, T) the engine's log-probs of the same tokens (detached here).
+        response_mask: (B, T) valid response tokens; the weight is 1 elsewhere (values there are ignored).
+        cap: truncation C > 0.
+
+    Returns:
+        (B, T) float32, detached.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    _check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, response_mask=response_mask)
+    valid = response_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs.device)
+    log_ratio = torch.where(valid, old_logprobs.detach().float() - engine_logprobs.detach().float(), zero)
+    # clamped at log(cap) before exp: a huge log-ratio never overflows, and min(exp(x), cap) is unchanged
+    return torch.exp(log_ratio.clamp(max=math.log(cap))).clamp(max=cap)  # (B, T)
+
+
+def logprob_gap(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling distribution is from the one the update assumes, on the sampled tokens.
+
+    With ``d = log pi_old - log pi_engine`` per token (the sampled tokens of all responses, flattened):
+    ``mean`` and ``max`` of ``|d|``, and ``kl``, the k3 estimate of KL(pi_engine || pi_old) from tokens drawn by the
+    engine: the mean of ``exp(d) - 1 - d`` (>= 0, 0 only when the two agree on every token; TRL logs the first
+    two, verl the KL).
+
+    Args:
+        old_logprobs: (N,) trainer log-probs.
+        engine_logprobs: (N,) engine log-probs of the same tokens.
+
+    Returns:
+        ``{"mean": ..., "max": ..., "kl": ...}``; all 0.0 for no token.
+    """
+    _check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs)
+    if old_logprobs.numel() == 0:
+        return {"mean": 0.0, "max": 0.0, "kl": 0.0}
+    d = (old_logprobs.double() - engine_logprobs.double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {"mean": float(d.abs().mean()), "max": float(d.abs().max()), "kl": float((torch.expm1(d) - d).mean())}
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:

@@ -168,7 +168,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     from empo2.lit.module import EMPO2Module
     from empo2.lit.progress import IterationProgressBar
     from empo2.lit.strategy import build_strategy
-    from empo2.rollout.build import build_collector, validation_tasks
+    from empo2.rollout.build import build_collector, generation_logprobs_exact, validation_tasks
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -260,6 +260,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
                "mlflow_run_id": logger.run_id if logger is not None else None,
                "mlflow_experiment_id": logger.experiment_id if logger is not None else None,
                "mlflow_tracking_uri": logger._tracking_uri if logger is not None else None,
+               # the engine's log-probs were the old log-probs (no scoring pass: a sampler/trainer gap of 0)
+               "logprobs_exact": cfg.algo.update_policy and generation_logprobs_exact(cfg),
                "run_dir": str(run_dir), "plot": str(plot_path), "config_file": str(config_path),
                "summary_path": str(run_dir / "summary.json")}
     if trainer.is_global_zero:

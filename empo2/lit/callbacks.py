@@ -28,8 +28,9 @@ from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.lit.progress import Phase
 from empo2.lit.strategy import unsharded
+from empo2.rollout.build import engine_for
 from empo2.rollout.collector import RolloutCollector
-from empo2.rollout.engines import build_engine, full_named_tensors
+from empo2.rollout.engines import full_named_tensors
 from empo2.stats import first_visit_gain
 
 
@@ -88,8 +89,7 @@ class RolloutCallback(L.Callback):
             # Built here, once the strategy has opened the process group: under ddp/fsdp vLLM then joins it (an
             # engine per rank) rather than opening a one-process group of its own, which the strategy would then
             # take for the whole world.
-            self.collector.engine = build_engine(self.cfg.engine, pl_module.policy, self.collector.builder.tokenizer,
-                                                 seed=self.cfg.seed)
+            self.collector.engine = engine_for(self.cfg, pl_module.policy, self.collector.builder.tokenizer)
         self._engine_synced = False
         self.datamodule.producer = lambda: self.produce(trainer, pl_module)
 
@@ -143,6 +143,7 @@ class RolloutCallback(L.Callback):
 
         stats = dict(batch.stats, **{"train/iteration": float(it), "train/env_steps": float(self.env_steps),
                                      "algo/beta": self.collector.settings.beta})
+        stats.update(pl_module.logprob_gap(batch.samples, old))  # this rank's samples
         if self.visits is not None:  # the estimate over the run so far: its last value is the run's
             self.visits += [(f"{tr.task}#{tr.variation}", it, tr.score, tr.carried_tips) for tr in batch.trajectories]
             gain, instances = first_visit_gain(*zip(*self.visits))

@@ -112,6 +112,18 @@ class EMPO2Module(L.LightningModule):
         with self.policy.disable_adapter():
             return self.response_logprobs(batch)
 
+    @staticmethod
+    def logprob_gap(samples: list[StepSample], old: list[torch.Tensor]) -> dict[str, float]:
+        """`rollout/logprob_gap_{mean,max,kl}`: the engine's log-probs against the scoring pass's old log-probs
+        (`core_algos.logprob_gap`) over the samples that have both; {} where none has (no engine log-probs
+        recorded, or they were the old log-probs: the gap is then 0 by construction)."""
+        pairs = [(o, torch.tensor(s.engine_logprobs, dtype=torch.float32)) for s, o in zip(samples, old)
+                 if s.engine_logprobs is not None and s.behaviour_logprobs is None]
+        if not pairs:
+            return {}
+        gap = core_algos.logprob_gap(torch.cat([o for o, _ in pairs]), torch.cat([e for _, e in pairs]))
+        return {f"rollout/logprob_gap_{k}": v for k, v in gap.items()}
+
     def old_logprobs(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
         """Behaviour log-probs with the current weights, before any update of this iteration, (T_i,) float32
         per sample: those `generate` recorded (`StepSample.behaviour_logprobs`, only where they are exactly the
@@ -179,8 +191,13 @@ class EMPO2Module(L.LightningModule):
         judged = old if a.mask_logprobs == "behaviour" else logp.detach()
         loss_mask = core_algos.empo2_loss_mask(mask, judged, offpolicy, a.delta, a.mask_mode, a.mask_scope)
         norm = dict(response_mask=mask, num_tokens=micro.num_tokens, num_seqs=micro.num_seqs)
+        weights = None if a.tis_cap is None else self.tis_weights(micro.indices, old, mask)  # (b, T)
         loss, metrics = core_algos.policy_loss(logp, old, adv, loss_mask, a.clip_low, a.clip_high, a.dual_clip_c,
-                                               a.loss_agg, **norm)
+                                               a.loss_agg, **norm, token_weights=weights)
+        if weights is not None:
+            valid = mask.sum().clamp(min=1)
+            metrics["tis_weight_mean"] = float(torch.where(mask, weights, 0.0).sum() / valid)
+            metrics["tis_truncated_frac"] = float((mask & (weights >= a.tis_cap)).sum() / valid)
         if a.kl_coef > 0:
             ref = self.ref_logprobs(batch)
             kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, a.kl_kind), loss_mask, a.loss_agg, **norm)
@@ -192,6 +209,17 @@ class EMPO2Module(L.LightningModule):
             metrics["entropy"] = float(ent.detach())
         metrics["loss"] = float(loss.detach())
         return loss, metrics, offpolicy
+
+    def tis_weights(self, indices: list[int], old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Truncated importance sampling weights min(pi_old / pi_engine, algo.tis_cap) of a micro-batch, (b, T): 1 for
+        a sample whose engine log-probs were not recorded or are its old log-probs (the exact mode)."""
+        rows = []
+        for b, i in enumerate(indices):
+            s = self.buffer.samples[i]
+            recorded = s.engine_logprobs is not None and s.behaviour_logprobs is None
+            rows.append(torch.tensor(s.engine_logprobs, dtype=torch.float32) if recorded else old[b].cpu())
+        engine = pad_logprobs(rows, mask.shape[1]).to(self.device)  # (b, T)
+        return core_algos.truncated_is_weights(old, engine, mask, self.algo.tis_cap)
 
     def training_step(self, micro: MicroBatch, batch_idx: int):
         """One micro-batch of the EMPO² update; the optimiser steps after the last one of a mini-batch."""

@@ -57,20 +57,77 @@ def episode_step_bound(cfg: TrainConfig, env) -> int:
     return max(100, *(budget(t) for t in tasks))
 
 
+# What a tip line adds to the tip's own tokens (its `<tip>` tags, newline and, in an entry, the score text), and
+# what the block's header and separator take once: both stay well under these on the shipped tokenizers
+# (SmolLM2, Qwen2.5), which take 10-20 and ~15 tokens.
+TIP_LINE_TOKENS = 32
+TIP_HEADER_TOKENS = 32
+
+
+def trainer_compute_dtype(cfg: TrainConfig) -> str:
+    """The precision the update computes in: bfloat16 under `bf16-mixed` (autocast) and `bf16-true`, else float32.
+    Read from `trainer.precision` alone, never from the weights' dtype (`model.dtype` names how they are read)."""
+    return "bfloat16" if cfg.trainer.precision.startswith("bf16") else "float32"
+
+
+def engine_dtype(cfg: TrainConfig) -> str:
+    """`engine.dtype` resolved: `auto` is the trainer's compute precision."""
+    return trainer_compute_dtype(cfg) if cfg.engine.dtype == "auto" else cfg.engine.dtype
+
+
 def generation_logprobs_exact(cfg: TrainConfig) -> bool:
     """Whether `generate` samples from the distribution the update scores as the behaviour policy, to float32
-    rounding: the HF engine runs on the policy module itself and vLLM on weights synced from it before every
-    rollout, both outside any autocast, so only a 32-bit update scores in the same precision; float32 weights keep
-    the two passes' difference at float32 rounding (bfloat16 matmuls summed in another order, or another engine's
-    bfloat16 kernels, differ by far more); the temperature is the rollout's on both. vLLM returns none under a
-    nucleus (`top_p` < 1): those samples are scored by the pass."""
-    return (cfg.rollout.generation_logprobs and cfg.trainer.precision == "32-true" and cfg.model.dtype == "float32")
+    rounding, so that its log-probs can replace the scoring pass: the engine computes in the trainer's precision and
+    that precision is float32 (a 32-true trainer, the engine at float32: HF on the policy module itself, vLLM on
+    weights synced before every rollout), and the whole vocabulary is sampled (`top_p` = 1: a nucleus renormalises
+    vLLM's log-probs). Two bfloat16 passes of different shapes (a KV-cached decode step and a whole-sequence
+    forward, or another engine's kernels) differ by bfloat16 rounding, far more than the float32 rounding the
+    first ratio's 1 tolerates, so a bfloat16 trainer always runs the pass. The temperature is the rollout's on
+    both sides."""
+    return (cfg.rollout.generation_logprobs and trainer_compute_dtype(cfg) == "float32"
+            and engine_dtype(cfg) == "float32" and cfg.rollout.top_p == 1)
+
+
+def records_engine_logprobs(cfg: TrainConfig) -> bool:
+    """Whether training rollouts keep the engine's log-prob of every sampled token (`StepSample.engine_logprobs`):
+    always with vLLM (under `top_p` < 1 its processed log-probs, renormalised over the nucleus: the distribution it
+    sampled from), with HF under `top_p` = 1 (HF's recorder reads the whole vocabulary, before the nucleus); and
+    always in the exact mode, where they are the old log-probs."""
+    return cfg.engine.name == "vllm" or cfg.rollout.top_p == 1 or generation_logprobs_exact(cfg)
+
+
+def max_request_tokens(cfg: TrainConfig) -> int | None:
+    """The largest request (prompt + response tokens) a rollout can make, or None where prompts are unbounded
+    (`rollout.overlong=drop` prompts with whole histories; `rollout.tips_in_history` keeps tip blocks on top of the
+    budget in every past turn). An action prompt is at most `max_prompt_tokens` without its tip block (the
+    `PromptBuilder` budget), plus the block: at most `top_k` tips, each at most `tip_max_new_tokens` as the policy
+    wrote it (a per-step entry adds the step's action, at most `max_new_tokens`), with `TIP_LINE_TOKENS` of markup
+    each and `TIP_HEADER_TOKENS` once; then `max_new_tokens`. The tip request is at most its own budget (tip-free),
+    then `tip_max_new_tokens`."""
+    r, m = cfg.rollout, cfg.memory
+    if r.overlong == "drop" or r.tips_in_history:
+        return None
+    tips = 0
+    if m.enabled:
+        per_tip = r.tip_max_new_tokens + TIP_LINE_TOKENS + (r.max_new_tokens if m.per_step_entries else 0)
+        tips = TIP_HEADER_TOKENS + m.top_k * per_tip
+    action = r.max_prompt_tokens + tips + r.max_new_tokens
+    request = (r.max_tip_request_tokens or r.max_prompt_tokens) + r.tip_max_new_tokens
+    return max(action, request)
+
+
+def engine_for(cfg: TrainConfig, model, tokenizer):
+    """The generation engine of a config: `engine.*` with its dtype resolved and vLLM's longest request
+    (`engine.max_model_len`, else `max_request_tokens`)."""
+    return build_engine(cfg.engine, model, tokenizer, seed=cfg.seed, dtype=engine_dtype(cfg),
+                        max_model_len=cfg.engine.max_model_len or max_request_tokens(cfg))
 
 
 def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True):
     """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
-    (training builds it once the strategy has opened the process group: `RolloutCallback.setup`)."""
-    engine = build_engine(cfg.engine, model, tokenizer, seed=cfg.seed) if with_engine else None
+    (training builds it with `engine_for` once the strategy has opened the process group:
+    `RolloutCallback.setup`)."""
+    engine = engine_for(cfg, model, tokenizer) if with_engine else None
     drop = cfg.rollout.overlong == "drop"  # whole histories; over-long steps leave training in the collector
     builder = PromptBuilder(tokenizer, max_prompt_tokens=sys.maxsize if drop else cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
@@ -94,6 +151,7 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
         tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
         step_entry_key=cfg.memory.step_entry_key, tip_format=cfg.memory.tip_format,
         key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
-        record_logprobs=generation_logprobs_exact(cfg), drop_over_tokens=r.max_prompt_tokens if drop else None)
+        record_logprobs=records_engine_logprobs(cfg), exact_logprobs=generation_logprobs_exact(cfg),
+        drop_over_tokens=r.max_prompt_tokens if drop else None)
     specials = list(getattr(tokenizer, "all_special_tokens", []))
     return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)

@@ -97,9 +97,11 @@ class CollectorSettings:
     # `rollout.overlong=drop`: a training step whose prompt + response exceeds this many tokens is no sample, and its
     # reward stays out of the return (released code); None keeps every step
     drop_over_tokens: int | None = None
-    # training steps keep generate's log-probs as their behaviour log-probs; only for an engine that samples
-    # from the trainer's own weights in the trainer's precision (`empo2.rollout.build.build_collector` decides)
+    # training steps keep generate's log-probs (`StepSample.engine_logprobs`); `empo2.rollout.build` decides both
     record_logprobs: bool = False
+    # ... and take them as their behaviour log-probs, in place of the scoring pass: only for an engine that samples
+    # from the trainer's own weights in the trainer's float32 precision, whole vocabulary (needs record_logprobs)
+    exact_logprobs: bool = False
 
 
 class RolloutCollector:
@@ -196,8 +198,8 @@ class RolloutCollector:
                     behaviour_ids=prompt.ids,
                     train_ids=prompt.without_tips() if offpolicy else prompt.ids,
                     response_ids=gen.token_ids, memory=prompt.has_tips, offpolicy=offpolicy,
-                    group_id=traj.group_id, traj_id=traj.traj_id, step=t, behaviour_logprobs=gen.logprobs,
-                    prefix_len=prompt.prefix_len)
+                    group_id=traj.group_id, traj_id=traj.traj_id, step=t, engine_logprobs=gen.logprobs,
+                    behaviour_logprobs=gen.logprobs if s.exact_logprobs else None, prefix_len=prompt.prefix_len)
                 if not dropped:
                     traj.samples.append(sample)
                 traj.tips_used.update(tip_id for tip_id, _ in tips.get(i, []))

@@ -208,6 +208,32 @@ def test_build_engine(policy):
         build_engine(EngineConfig(name="sglang"), model, tok)
 
 
+def test_hf_generate_computes_in_the_engine_dtype_not_the_parameters(policy, prompts):
+    """engine.dtype=bfloat16 runs HF generate under bfloat16 autocast (the update's context under bf16-mixed): its
+    log-probs then miss a float32 trainer's by bfloat16 rounding, while at float32 they match to float32 rounding."""
+    from empo2.config import AlgoConfig, TrainerConfig
+    from empo2.core_algos import logprob_gap
+    from empo2.lit.data import RolloutBuffer
+    from empo2.lit.module import EMPO2Module
+    from empo2.rollout.types import StepSample
+
+    model, tok = policy
+    assert next(model.parameters()).dtype == torch.float32
+    module = EMPO2Module(model, tok, AlgoConfig(), TrainerConfig(), RolloutBuffer(), temperature=0.7)
+    params = SamplingParams(temperature=0.7, max_new_tokens=8, stop_at_newline=False, logprobs=True)
+    gaps = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = build_engine(EngineConfig(name="hf"), model, tok, dtype=dtype)
+        gens = engine.generate(prompts, params, seed=0)
+        samples = [StepSample(behaviour_ids=p, train_ids=p, response_ids=g.token_ids, memory=False, offpolicy=False,
+                              group_id=0, traj_id=i, step=0) for i, (p, g) in enumerate(zip(prompts, gens))]
+        scored = module.score_behaviour(samples, 4)
+        gaps[dtype] = logprob_gap(torch.cat(scored), torch.cat([torch.tensor(g.logprobs) for g in gens]))["max"]
+    assert gaps["float32"] <= 1e-5 < 1e-3 < gaps["bfloat16"], gaps
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+        HFEngine(model, tok, dtype="float64")
+
+
 def test_smollm2_tokenizer_prompts_are_injection_safe_and_tip_exact():
     from transformers import AutoTokenizer
 

@@ -190,6 +190,51 @@ def test_the_released_mask_reads_the_behaviour_logprobs_of_every_sample(policy):
     assert fracs == pytest.approx([0.0, tokens[0] / sum(tokens), tokens[2] / sum(tokens)])
 
 
+def test_truncated_importance_sampling_weighs_each_tokens_policy_loss_by_the_engines_ratio(policy):
+    """algo.tis_cap: every token's policy loss times min(pi_old / pi_engine, cap), as `policy_loss` computes it with
+    `truncated_is_weights`; weight 1 (the plain loss) where no engine log-probs were recorded or where they are the
+    old log-probs (exact mode)."""
+    model, tok = policy
+    samples = _samples(model.config.vocab_size, n=4)
+    cfg = load_config(["model=tiny", "algo.tis_cap=2"])
+    plain_cfg = load_config(["model=tiny"])
+    old = [torch.full((len(s.response_ids),), -3.0) for s in samples]
+    micro = plan_epoch([len(s.response_ids) for s in samples], 1, 4, None, torch.Generator().manual_seed(0))[0][0]
+
+    def loss_of(cfg, samples):
+        module = EMPO2Module(copy.deepcopy(model), tok, cfg.algo, cfg.trainer, RolloutBuffer(samples, old))
+        return module.micro_batch_loss(micro)
+
+    plain, _, _ = loss_of(plain_cfg, samples)
+    assert loss_of(cfg, samples)[0].item() == plain.item()  # no engine log-probs: weight 1
+    exact = [dataclasses.replace(s, engine_logprobs=o.tolist(), behaviour_logprobs=o.tolist())
+             for s, o in zip(samples, old)]
+    assert loss_of(cfg, exact)[0].item() == plain.item()
+    # engine log-probs: -3.5 (ratio e^0.5 = 1.65) on sample 0, -6 (e^3, truncated at 2) on sample 1, -2 (e^-1) on 2
+    shifts = [-0.5, -3.0, 1.0, 0.0]
+    recorded = [dataclasses.replace(s, engine_logprobs=(o + d).tolist()) for s, o, d in zip(samples, old, shifts)]
+    loss, metrics, _ = loss_of(cfg, recorded)
+    module = EMPO2Module(copy.deepcopy(model), tok, cfg.algo, cfg.trainer, RolloutBuffer(recorded, old))
+    batch = collate([recorded[i] for i in micro.indices], module.pad_id)
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        logp = module.response_logprobs(batch)
+    weights = torch.tensor([[min(math.exp(-shifts[i]), 2.0)] for i in micro.indices]).expand_as(mask).float()
+    o = torch.full_like(logp, -3.0)
+    adv = torch.tensor([recorded[i].advantage for i in micro.indices])
+    loss_mask = core_algos.empo2_loss_mask(mask, logp, torch.tensor([recorded[i].offpolicy for i in micro.indices]),
+                                           cfg.algo.delta, cfg.algo.mask_mode, cfg.algo.mask_scope)
+    expected, _ = core_algos.policy_loss(logp, o, adv, loss_mask, cfg.algo.clip_low, cfg.algo.clip_high,
+                                         cfg.algo.dual_clip_c, cfg.algo.loss_agg, response_mask=mask,
+                                         num_tokens=micro.num_tokens, num_seqs=micro.num_seqs, token_weights=weights)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert loss.item() != pytest.approx(plain.item(), rel=1e-3)
+    tokens = [len(recorded[i].response_ids) for i in micro.indices]
+    w = [min(math.exp(-shifts[i]), 2.0) for i in micro.indices]
+    assert metrics["tis_weight_mean"] == pytest.approx(sum(t * x for t, x in zip(tokens, w)) / sum(tokens), rel=1e-5)
+    assert metrics["tis_truncated_frac"] == pytest.approx(tokens[micro.indices.index(1)] / sum(tokens))
+
+
 def test_rows_scored_without_a_mask_match_one_padded_pass_and_do_not_depend_on_their_batch(policy):
     """On a CPU rows are scored without a mask, right-padded in passes of similar lengths: their log-probs and
     entropies are those of one left-padded, masked forward over the whole batch, and the same whatever else is in
@@ -375,7 +420,7 @@ def test_generation_logprobs_are_the_scoring_pass_to_float_rounding(policy):
 
     model, tok = policy
     collector = make_collector(policy, Embedder(), p=0.5, q=1.0, min_sim=-1.0, temperature=0.7, top_p=0.8,
-                               record_logprobs=True)
+                               record_logprobs=True, exact_logprobs=True)
     fill_memory(collector)
     samples = collect(collector).samples
     assert any(s.offpolicy for s in samples) and not all(s.offpolicy for s in samples)
@@ -503,7 +548,7 @@ class OwnWeightsEngine(HFEngine):
 def test_an_engine_with_its_own_weights_samples_from_the_restored_policy_after_resume(tmp_path, monkeypatch):
     import empo2.lit.callbacks as callbacks
 
-    monkeypatch.setattr(callbacks, "build_engine", lambda cfg, model, tok, seed=0: OwnWeightsEngine(model, tok))
+    monkeypatch.setattr(callbacks, "engine_for", lambda cfg, model, tok: OwnWeightsEngine(model, tok))
     # rollouts of five steps reach different states: nonzero advantages, so the weights move
     args = FAST + ["trainer.iterations=2", "env.max_steps=5", f"run_root={tmp_path}",
                    "run_name=r", "trainer.val_every=5"]
@@ -517,3 +562,24 @@ def test_an_engine_with_its_own_weights_samples_from_the_restored_policy_after_r
     train(load_config(args + ["resume=auto"]))
     first_generate = next(fp for kind, fp in OwnWeightsEngine.events if kind == "generate")
     assert first_generate == state_fingerprint(restored)
+
+
+def test_a_bfloat16_update_logs_the_gap_every_iteration_and_a_float32_one_has_none_by_construction(tmp_path, capsys):
+    """bf16-mixed: HF generates under the update's autocast, the scoring pass runs, and every iteration logs
+    rollout/logprob_gap_* (the closing report averages them); 32-true with the engine at float32: the engine's
+    log-probs are the old ones and the report says the gap is 0 by construction."""
+    from empo2.cli import print_report
+
+    args = FAST + ["trainer.val_every=5", f"run_root={tmp_path}"]
+    bf16 = train(load_config(args + ["trainer.precision=bf16-mixed", "run_name=bf16"]))
+    gaps = [h for h in bf16["history"] if "rollout/logprob_gap_mean" in h]
+    assert [h["iteration"] for h in gaps] == [0, 1] and not bf16["logprobs_exact"]
+    assert all(0 < h["rollout/logprob_gap_mean"] <= h["rollout/logprob_gap_max"] and h["rollout/logprob_gap_kl"] > 0
+               for h in gaps)
+    fp32 = train(load_config(args + ["trainer.iterations=1", "run_name=fp32"]))
+    assert fp32["logprobs_exact"] and not any("rollout/logprob_gap_mean" in h for h in fp32["history"])
+    print_report(bf16)
+    print_report(fp32)
+    out = capsys.readouterr().out
+    assert "sampler/trainer gap |log pi_old - log pi_engine| per token: mean" in out
+    assert "sampler/trainer gap: 0 by construction" in out

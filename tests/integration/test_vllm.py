@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from empo2.config import AlgoConfig, ModelConfig, TrainerConfig, load_config
+from empo2.core_algos import logprob_gap
 from empo2.envs import get_catalogue, make_env
+from empo2.errors import ConfigError
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
-from empo2.rollout.engines import SamplingParams, VLLMEngine, full_named_tensors
+from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import StepSample
 from empo2.train import train
@@ -36,7 +38,7 @@ PRIOR = ModelConfig(name="minisci-tips-signed")
 # SmolLM2 over 8 prompts x 32 tokens)
 TOL = 2e-4
 # the prior with vLLM: the whole-run overrides of the vLLM runs below (FOUR's model is the tiny one)
-VLLM_RUN = ["model=minisci_tips_signed", "engine=vllm", "engine.kv_cache_gib=0.25"]
+VLLM_RUN = ["model=minisci_tips_signed", "engine=vllm", "engine.kv_cache_gib=0.25", "engine.max_model_len=4096"]
 TEMPERATURE = 0.7
 
 
@@ -89,11 +91,53 @@ def test_behaviour_logprobs_are_the_trainers_at_the_rollout_temperature(prior, e
     assert gap(gens, trainer_logprobs(model, tok, prompts, gens, TEMPERATURE)) <= TOL
     # they are the tempered distribution's, not the raw logits' (vLLM's default logprobs_mode)
     assert gap(gens, trainer_logprobs(model, tok, prompts, gens, 1.0)) > 100 * TOL
-    # a nucleus renormalises vLLM's processed log-probs: not the trainer's distribution, so none are returned
-    nucleus = engine.generate(prompts[:2], SamplingParams(temperature=TEMPERATURE, top_p=0.9, logprobs=True), seed=0)
-    assert all(g.logprobs is None for g in nucleus)
+    # under a nucleus vLLM's processed log-probs are those it sampled from, renormalised over the nucleus: log(p /
+    # mass) >= log p, so at or above the trainer's whole-vocabulary ones, and above them where the nucleus cut
+    nucleus = engine.generate(prompts, SamplingParams(temperature=TEMPERATURE, top_p=0.9, logprobs=True), seed=0)
+    diffs = torch.cat([torch.tensor(g.logprobs) - s for g, s in
+                       zip(nucleus, trainer_logprobs(model, tok, prompts, nucleus, TEMPERATURE))])
+    assert float(diffs.min()) >= -TOL and float(diffs.max()) > 10 * TOL
     # the same seed replays the same responses
     assert [g.token_ids for g in sample(engine, prompts)] == [g.token_ids for g in gens]
+
+
+def test_at_float32_vllm_and_hf_give_the_same_greedy_tokens_and_the_trainers_logprobs(prior, engine, prompts):
+    model, tok = prior
+    assert engine.dtype == "float32" and next(model.parameters()).dtype == torch.float32
+    hf = HFEngine(model, tok, dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    vllm_greedy, hf_greedy = engine.generate(prompts, greedy), hf.generate(prompts, greedy)
+    assert [g.token_ids for g in vllm_greedy] == [g.token_ids for g in hf_greedy]
+    for eng, tol in ((engine, TOL), (hf, 1e-5)):  # each engine's own samples against the trainer's scoring
+        gens = sample(eng, prompts)
+        assert gap(gens, trainer_logprobs(model, tok, prompts, gens, TEMPERATURE)) <= tol
+
+
+@pytest.fixture(scope="module")
+def bf16(prior, prompts):
+    """A bfloat16 engine whose longest request is the longest prompt + 12 tokens. Module-scoped: an engine torn down
+    mid-module takes vLLM's process-wide parallel groups with it, and the module's other engine with them."""
+    return VLLMEngine(prior[0], prior[1], kv_cache_gib=0.25, dtype="bfloat16",
+                      max_model_len=max(len(p) for p in prompts) + 12)
+
+
+def test_a_bfloat16_engine_has_the_larger_gap_and_a_request_over_its_cap_is_refused(prior, engine, bf16, prompts):
+    """Against a float32 trainer (32-true), the bfloat16 engine's log-probs miss the scoring pass by bfloat16
+    rounding, the float32 engine's by float32 rounding; a request longer than max_model_len is refused by the
+    engine, in one line naming the key, before vLLM sees it."""
+    model, tok = prior
+    cap = bf16.max_model_len
+    gaps = {}
+    for name, eng in (("float32", engine), ("bfloat16", bf16)):
+        gens = sample(eng, prompts)
+        scored = trainer_logprobs(model, tok, prompts, gens, TEMPERATURE)
+        gaps[name] = logprob_gap(torch.cat(scored), torch.cat([torch.tensor(g.logprobs) for g in gens]))
+    assert gaps["bfloat16"]["mean"] > 10 * gaps["float32"]["mean"], gaps
+    assert gaps["bfloat16"]["kl"] > gaps["float32"]["kl"], gaps
+    with pytest.raises(ConfigError, match=rf"^engine.max_model_len={cap} is too small for one action request "
+                                          rf"of {len(prompts[0]) + cap} tokens") as e:
+        bf16.generate(prompts[:1], SamplingParams(max_new_tokens=cap))
+    assert "\n" not in str(e.value)
 
 
 def test_weight_sync_loads_new_weights_and_lora_is_merged(prior, engine, prompts):
@@ -183,6 +227,29 @@ def test_the_rollout_callback_syncs_updates_and_a_resumed_run_samples_from_the_r
     # ... which are not the weights the engine was built from
     assert resumed.first["before"] <= TOL and probe.gaps[0]["before"] > 100 * TOL
     assert resumed.gaps[-1]["now"] <= TOL
+
+
+@pytest.mark.slow
+def test_every_iteration_logs_the_gap_and_the_bfloat16_engine_has_the_larger_one(tmp_path):
+    """A float32 trainer (32-true) with the engine at float32 (the scoring pass kept: generation_logprobs=false) and
+    at bfloat16 (truncated importance sampling on): each iteration logs rollout/logprob_gap_*, larger at bfloat16."""
+    class LastStep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.metrics = dict(pl_module.last_step)
+
+    args = VLLM_TRAIN + ["trainer.iterations=1", "trainer.precision=32-true", f"run_root={tmp_path}"]
+    last = LastStep()
+    runs = {"float32": train(load_config(args + ["engine.dtype=float32", "rollout.generation_logprobs=false",
+                                                 "run_name=f32"])),
+            "bfloat16": train(load_config(args + ["engine.dtype=bfloat16", "algo.tis_cap=2", "run_name=bf16"]),
+                              callbacks=[last])}
+    gaps = {name: {k.rsplit("_", 1)[1]: v for k, v in run["history"][0].items() if k.startswith("rollout/logprob_gap_")}
+            for name, run in runs.items()}
+    print(gaps)
+    assert all(set(g) == {"mean", "max", "kl"} for g in gaps.values()), gaps
+    assert gaps["bfloat16"]["mean"] > 10 * gaps["float32"]["mean"] and gaps["bfloat16"]["kl"] > gaps["float32"]["kl"]
+    assert not any(run["logprobs_exact"] for run in runs.values())
+    assert 0.5 < last.metrics["actor/tis_weight_mean"] <= 2.0, last.metrics
 
 
 @pytest.mark.slow

@@ -176,12 +176,77 @@ def test_bf16_true_precision_is_refused_with_the_reason():
 @pytest.mark.parametrize("overrides, exact", [
     ([], True),
     (["rollout.generation_logprobs=false"], False),
-    (["trainer.precision=bf16-mixed"], False),  # generate runs outside the update's autocast
-    (["model.dtype=bfloat16"], False),  # bfloat16 passes differ by more than float32 rounding
+    # a bfloat16 update: two bfloat16 passes of different shapes differ by bfloat16 rounding
+    (["trainer.precision=bf16-mixed"], False),
+    (["trainer.precision=bf16-mixed", "engine.dtype=float32"], False),
+    # model.dtype names only how the weights are read (master weights are float32): it decides nothing here
+    (["model.dtype=bfloat16"], True),
+    (["engine.dtype=bfloat16"], False),  # HF generate under bfloat16 autocast, a float32 update
     (["engine.name=vllm"], True),  # weights synced before each rollout; float32 gap bounded in test_vllm.py
-    (["engine.name=vllm", "model.dtype=bfloat16"], False),  # another engine's bfloat16 kernels differ by more
+    (["engine.name=vllm", "engine.dtype=bfloat16"], False),  # another engine's bfloat16 kernels differ by more
+    (["engine.name=vllm", "rollout.top_p=0.9"], False),  # vLLM's log-probs renormalised over the nucleus
+    (["rollout.top_p=0.9"], False),
 ])
 def test_generation_logprobs_are_taken_only_where_they_are_the_scored_distribution(overrides, exact):
     from empo2.rollout.build import generation_logprobs_exact
 
     assert generation_logprobs_exact(load_config(["model=tiny", *overrides])) is exact
+
+
+@pytest.mark.parametrize("overrides, dtype", [
+    ([], "float32"),
+    (["trainer.precision=bf16-mixed"], "bfloat16"),
+    (["trainer.precision=bf16-true"], "bfloat16"),
+    (["model.dtype=bfloat16"], "float32"),  # the dtype weights are read in is not the compute precision
+    (["trainer.precision=bf16-mixed", "engine.dtype=float32"], "float32"),
+    (["engine.dtype=float16"], "float16"),
+])
+def test_engine_dtype_auto_is_the_trainers_compute_precision(overrides, dtype):
+    from empo2.rollout.build import engine_dtype
+
+    assert engine_dtype(load_config(["model=tiny", *overrides])) == dtype
+
+
+def test_engine_logprobs_are_recorded_with_vllm_whatever_the_nucleus_and_with_hf_without_one():
+    from empo2.rollout.build import records_engine_logprobs
+
+    assert records_engine_logprobs(load_config(["engine.name=vllm", "rollout.top_p=0.9"]))
+    assert records_engine_logprobs(load_config(["engine.name=vllm", "trainer.precision=bf16-mixed"]))
+    assert records_engine_logprobs(load_config(["trainer.precision=bf16-mixed"]))
+    assert not records_engine_logprobs(load_config(["rollout.top_p=0.9"]))  # HF reads the whole vocabulary
+
+
+def test_the_largest_request_is_the_action_prompt_with_its_tips_or_the_tip_request_by_hand():
+    from empo2.rollout.build import TIP_HEADER_TOKENS, TIP_LINE_TOKENS, max_request_tokens
+
+    base = ["rollout.max_prompt_tokens=1000", "rollout.max_new_tokens=32", "rollout.tip_max_new_tokens=160",
+            "memory.top_k=10", "rollout.max_tip_request_tokens=null"]
+    # 1000 + 32 + 10 x (160 + 32) + 32 = 2984 against the tip request's 1000 + 160
+    assert TIP_LINE_TOKENS == 32 and TIP_HEADER_TOKENS == 32
+    assert max_request_tokens(load_config(base)) == 1000 + 32 + 10 * (160 + 32) + 32
+    # per-step entries carry their step's action: + 32 per tip
+    assert max_request_tokens(load_config(base + ["memory.per_step_entries=true"])) == 2984 + 10 * 32
+    assert max_request_tokens(load_config(base + ["memory.enabled=false"])) == 1000 + 160  # the tip request
+    assert max_request_tokens(load_config(base + ["memory.enabled=false", "rollout.max_tip_request_tokens=3000"])) \
+        == 3160
+    assert max_request_tokens(load_config(base + ["rollout.overlong=drop"])) is None
+    assert max_request_tokens(load_config(base + ["rollout.tips_in_history=true"])) is None
+
+
+@pytest.mark.parametrize("unbounded", ["rollout.overlong=drop", "rollout.tips_in_history=true"])
+def test_vllm_needs_an_explicit_max_model_len_where_prompts_are_unbounded(unbounded):
+    with pytest.raises(ConfigError, match=rf"^engine.max_model_len is required with engine.name=vllm and "
+                                          rf"{unbounded}") as e:
+        load_config(["engine=vllm", unbounded])
+    assert "\n" not in str(e.value)
+    assert load_config(["engine=vllm", unbounded, "engine.max_model_len=8192"]).engine.max_model_len == 8192
+    assert load_config([unbounded]).engine.max_model_len is None  # the HF engine has no cap
+    with pytest.raises(ConfigError, match="engine.max_model_len=0 is out of range"):
+        load_config(["engine.max_model_len=0"])
+
+
+def test_tis_cap_is_off_by_default_and_at_least_one():
+    assert load_config([]).algo.tis_cap is None
+    assert load_config(["algo.tis_cap=2"]).algo.tis_cap == 2
+    with pytest.raises(ConfigError, match=r"algo.tis_cap=0.5 is out of range: expected \[1, inf\)"):
+        load_config(["algo.tis_cap=0.5"])

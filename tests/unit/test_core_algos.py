@@ -763,3 +763,52 @@ def test_equal_negative_returns_give_exactly_zero():
     # -0.1 three times has a mean that rounds off -0.1: only the max == min test makes these exactly 0
     returns = torch.tensor([-0.1, -0.1, -0.1], dtype=torch.float64)
     assert ca.group_advantages(returns, torch.tensor([0, 0, 0])).tolist() == [0.0, 0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler/trainer gap: truncated importance sampling and its metrics
+# ----------------------------------------------------------------------------------------------
+def test_truncated_is_weights_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 7.0]])
+    engine = torch.tensor([[-1.0, -2.5, -2.0], [-2.0, -0.1, -50.0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    w = ca.truncated_is_weights(old, engine, valid, cap=2.0)
+    # pi_old / pi_engine = exp(old - engine): exp(0) = 1, exp(0.5) = 1.6487, exp(1.5) = 4.48 -> 2 (truncated),
+    # exp(-1) = 0.3679 (never raised), exp(0) = 1; padding -> 1 whatever it holds
+    expected = torch.tensor([[1.0, math.exp(0.5), 2.0], [math.exp(-1.0), 1.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    assert not w.requires_grad
+    # a huge log-ratio is truncated without overflowing
+    assert ca.truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-1e4]]), torch.ones(1, 1, dtype=bool),
+                                   3.0).item() == 3.0
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        ca.truncated_is_weights(old, engine, valid, cap=0.0)
+
+
+def test_policy_loss_multiplies_each_tokens_loss_by_its_weight_by_hand():
+    lp, old, adv, loss_mask = _hand_case()
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    weights = torch.tensor([[0.5, 2.0, 1.0], [1.0, 1.0, 3.0]])
+    loss, _ = ca.policy_loss(lp, old, adv, loss_mask, response_mask=valid, token_weights=weights)
+    # the per-token losses of test_policy_loss_by_hand, (-1.1, -1.3, masked; 0.8, 10, 1.0), times the weights:
+    # (-0.55 - 2.6 + 0.8 + 10 + 3) / 6
+    assert loss.item() == pytest.approx(10.65 / 6, abs=1e-6)
+    loss.backward()
+    # the unclipped tokens' gradients scale with their weights (the weights are constants)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1.1 * 0.5 / 6, 0.0, 0.0], [0.0, 0.0, 3.0 / 6]]))
+    lp.grad = None
+    ones, _ = ca.policy_loss(lp, old, adv, loss_mask, response_mask=valid, token_weights=torch.ones(2, 3))
+    assert ones.item() == pytest.approx(9.4 / 6, abs=1e-6)  # weight 1 is the plain loss
+
+
+def test_logprob_gap_by_hand():
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    engine = torch.tensor([-1.0, -2.5, -0.3, -3.0])
+    gap = ca.logprob_gap(old, engine)
+    # d = old - engine = (0, 0.5, -0.2, 0): |d| mean 0.7 / 4, max 0.5;
+    # k3 = exp(d) - 1 - d: 0 + 0.1487213 + 0.0187308 + 0 -> / 4
+    assert gap["mean"] == pytest.approx(0.175)
+    assert gap["max"] == pytest.approx(0.5)
+    assert gap["kl"] == pytest.approx((0.1487212707 + 0.0187307531) / 4, rel=1e-6)  # inputs in float32
+    assert ca.logprob_gap(old, old) == {"mean": 0.0, "max": 0.0, "kl": 0.0}
+    assert ca.logprob_gap(torch.zeros(0), torch.zeros(0)) == {"mean": 0.0, "max": 0.0, "kl": 0.0}

@@ -1,4 +1,4 @@
-from empo2.cli import run_findings
+from empo2.cli import gap_lines, run_findings
 from empo2.compare import run_memory_gain
 
 
@@ -53,3 +53,18 @@ def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path)
     assert f"seed 3 | run folder {tmp_path / 'run'}" in lines[1] and "on cpu x1" in lines[1]
     assert lines[2].startswith("  MLflow run abc123 in ")
     assert len(start_lines(cfg, tmp_path, None)) == 2  # no tracking, no MLflow line
+
+
+def test_the_report_gives_the_sampler_trainer_gap_or_says_it_is_zero_by_construction():
+    assert gap_lines({"logprobs_exact": True, "history": []}) == [
+        "sampler/trainer gap: 0 by construction (the engine's log-probs, float32 like the trainer's, were the old "
+        "log-probs: no scoring pass)"]
+    history = [{"iteration": 0, "rollout/logprob_gap_mean": 0.01, "rollout/logprob_gap_max": 0.5,
+                "rollout/logprob_gap_kl": 1e-4},
+               {"iteration": 0, "val/score_nomem": 3.0},
+               {"iteration": 1, "rollout/logprob_gap_mean": 0.03, "rollout/logprob_gap_max": 0.25,
+                "rollout/logprob_gap_kl": 3e-4}]
+    assert gap_lines({"logprobs_exact": False, "history": history}) == [
+        "sampler/trainer gap |log pi_old - log pi_engine| per token: mean 2.00e-02 and KL(engine || trainer) "
+        "2.00e-04 (averaged over 2 iterations), max 5.00e-01"]
+    assert gap_lines({"history": history[1:2]}) == []  # no engine log-probs recorded: nothing to say

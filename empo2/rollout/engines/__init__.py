@@ -6,15 +6,18 @@ from empo2.rollout.engines.vllm import VLLMEngine, vllm_available
 from empo2.rollout.engines.weights import full_named_tensors
 
 
-def build_engine(engine_cfg, model, tokenizer, seed: int = 0) -> GenerationEngine:
-    """The engine an `EngineConfig` names. `vllm` is built from the policy module (its config and current
-    weights), so a resumed, LoRA-wrapped or sharded policy is what it samples from."""
+def build_engine(engine_cfg, model, tokenizer, seed: int = 0, dtype: str = "float32",
+                 max_model_len: int | None = None) -> GenerationEngine:
+    """The engine an `EngineConfig` names, computing in `dtype` (`engine.dtype` resolved: `rollout.build.engine_for`
+    resolves it from a whole config). `vllm` is built from the policy module (its config and current weights), so a
+    resumed, LoRA-wrapped or sharded policy is what it samples from; `max_model_len` caps its requests (None: the
+    model's max_position_embeddings)."""
     if engine_cfg.name == "hf":
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, dtype=dtype)
     if engine_cfg.name == "vllm":
         return VLLMEngine(model, tokenizer, gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
                           tensor_parallel_size=engine_cfg.tensor_parallel_size, sleep_mode=engine_cfg.sleep_mode,
-                          kv_cache_gib=engine_cfg.kv_cache_gib, seed=seed)
+                          kv_cache_gib=engine_cfg.kv_cache_gib, seed=seed, dtype=dtype, max_model_len=max_model_len)
     raise ValueError(f"unknown engine {engine_cfg.name!r}: expected 'hf' or 'vllm'")
 
 

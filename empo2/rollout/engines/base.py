@@ -18,8 +18,9 @@ import torch
 @dataclass
 class SamplingParams:
     """temperature 0 means greedy decoding; top_p is the nucleus mass (1 keeps the whole distribution).
-    logprobs: also return each response token's log-prob under softmax(logits / temperature) over the whole
-    vocabulary (the distribution the trainer scores; top_p does not truncate it), where the engine can.
+    logprobs: also return each response token's log-prob under softmax(logits / temperature): over the whole
+    vocabulary with top_p 1 (the distribution the trainer scores); with top_p < 1 HF still reads the whole vocabulary,
+    vLLM the nucleus it sampled from (renormalised).
     kind: what the responses are for, "action" or "tip"; sampling ignores it, `StopTokens.returned` records it."""
 
     temperature: float = 1.0

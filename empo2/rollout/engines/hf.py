@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.cache_utils import DynamicLayer, StaticCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
 from empo2.prefix_cache import PrefixCaches, cheapest_runs
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
@@ -91,14 +91,21 @@ class HFEngine:
     Sampling is plain softmax(logits / temperature) with top-p: every other logits processor a
     checkpoint's generation config may carry (top-k, repetition penalty, ...) is switched off, since
     the trainer's log-probs assume exactly that distribution.
+
+    dtype: the precision generation computes in: bfloat16 or float16 by autocast (what Lightning's bf16-mixed
+    update runs in, so `engine.dtype=auto` samples in the update's precision context), float32 in the parameters'
+    own dtype (float32 master weights).
     """
 
     generates_with_policy = True
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, dtype: str = "float32"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         self.model = model
+        self.dtype = dtype
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.stops = StopTokens(tokenizer, eos_ids(tokenizer, getattr(model, "generation_config", None)),
@@ -116,7 +123,7 @@ class HFEngine:
         modes = [(m, m.training) for m in self.model.modules()]  # restored per module, not by train(mode)
         self.model.eval()
         try:
-            with _seeded(seed, device), torch.inference_mode():
+            with _seeded(seed, device), torch.inference_mode(), self._precision(device):
                 for start in range(0, len(order), self.max_batch_size):
                     chunk = order[start:start + self.max_batch_size]
                     rows, logps = self._generate_chunk([prompts[i] for i in chunk], params, device)
@@ -126,6 +133,11 @@ class HFEngine:
             for module, mode in modes:
                 module.training = mode
         return results  # type: ignore[return-value]
+
+    def _precision(self, device: torch.device):
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=getattr(torch, self.dtype))
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
                         device: torch.device) -> tuple[list[list[int]], list[list[float]] | None]:
@@ -208,6 +220,15 @@ class HFEngine:
                 v[at, ..., width - length:, :] = layer.values
         if not keys:
             return None
+        if self.dtype != "float32":
+            # under autocast a float32 model's keys leave the rotary embedding in float32 while its values come out
+            # of their projection in bfloat16; a static cache takes one dtype for both and refuses the other's
+            # writes, a dynamic one concatenates whatever comes
+            dynamic = DynamicCache(config=self.model.config)
+            for i in range(len(keys)):
+                dynamic.update(keys[i][index], values[i][index], i)
+                keys[i] = values[i] = None
+            return dynamic
         # A static cache: a dynamic one appends by copying itself whole at every new token, which for a chunk of
         # long prompts costs more than the token's forward pass
         static = StaticCache(config=self.model.config, max_cache_len=width + 1 + params.max_new_tokens)

@@ -23,9 +23,15 @@ ranks only (where its kernels have it, the AVX-512 builds; with its AVX2 kernels
 here each engine's segments get a name of their own and are unlinked once every shard has mapped them, so a
 killed run leaves nothing in /dev/shm and two runs on one node never meet.
 
+Precision: the engine computes in its own dtype (`engine.dtype`, by default the trainer's compute precision), never
+in the one the policy's parameters happen to be stored in; weights are cast to it as they load.
+
 Behaviour log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, i.e. log softmax of the
-logits after temperature, which is the distribution the trainer scores, as long as top_p is 1 (vLLM's
-processed log-probs are renormalised over the nucleus when top_p < 1; the engine then returns none).
+logits after temperature: with top_p 1 the distribution the trainer scores; with top_p < 1 renormalised over the
+nucleus, the distribution the engine sampled from (no longer the trainer's: the update scores the whole vocabulary).
+
+Requests: `max_model_len` caps prompt + response tokens of one request; a longer request is refused before it
+reaches vLLM, with an error naming `engine.max_model_len`.
 
 With sleep_mode (GPU only) the engine can hand its memory back during updates: `sleep()` discards the
 weights and the KV cache (vLLM's level 2: nothing is copied to host memory, since the trainer syncs new weights
@@ -46,7 +52,8 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import ConfigError, check_tensor_parallel
+from empo2.config import check_tensor_parallel
+from empo2.errors import ConfigError
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
 INSTALL_HINT = ("VLLMEngine needs vllm: `make install-gpu` on a GPU machine; on a CPU one, `make install` "
@@ -115,14 +122,17 @@ class VLLMEngine:
     The policy's weights are loaded at construction (`weights`: the (name, full tensor) pairs to load;
     default `full_named_tensors(policy)`, which under FSDP is a collective every rank must join).
     kv_cache_gib: memory for the KV cache; None: vLLM sizes it from gpu_memory_utilization on a GPU, and
-    CPU_KV_CACHE_GIB on a CPU. llm_kwargs: further `vllm.LLM` arguments.
+    CPU_KV_CACHE_GIB on a CPU. dtype: what the engine computes in. max_model_len: the longest request, prompt +
+    response tokens (None: the model's max_position_embeddings; never more). llm_kwargs: further `vllm.LLM`
+    arguments.
     """
 
     generates_with_policy = False
 
     def __init__(self, policy, tokenizer, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
                  sleep_mode: bool = False, kv_cache_gib: float | None = None, seed: int = 0,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, llm_kwargs: dict | None = None):
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, llm_kwargs: dict | None = None,
+                 dtype: str = "float32", max_model_len: int | None = None):
         # vLLM reads this when it builds its engine: the model has to stay in this process, so weights pass by
         # reference and the reload runs on the live model.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -161,10 +171,11 @@ class VLLMEngine:
         # vLLM builds the model from a folder's config.json; the weights come from the policy, never from disk.
         self._config_dir = tempfile.TemporaryDirectory(prefix="empo2-vllm-")
         base.config.save_pretrained(self._config_dir.name)
-        dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+        positions = base.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or positions, positions)
+        self.dtype = dtype
         self.llm = vllm.LLM(model=self._config_dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
-                            seed=seed, logprobs_mode="processed_logprobs", max_model_len=kwargs.pop(
-                                "max_model_len", base.config.max_position_embeddings),
+                            seed=seed, logprobs_mode="processed_logprobs", max_model_len=self.max_model_len,
                             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                             enable_sleep_mode=sleep_mode, enable_prefix_caching=True, **kwargs)
         self._tp_group = None  # vLLM's group coordinator of this rank's tensor-parallel group
@@ -193,11 +204,18 @@ class VLLMEngine:
             requests, mine = self._gather(requests, params)
         if not requests:
             return []
+        # judged on the group's requests, so every rank of a tensor-parallel group refuses alike instead of hanging
+        longest = max(len(ids) for ids, _ in requests) + params.max_new_tokens
+        if longest > self.max_model_len:
+            # vLLM would refuse the prompt deep inside its engine, or cut the response short of max_new_tokens
+            raise ConfigError(f"engine.max_model_len={self.max_model_len} is too small for one {params.kind} request "
+                              f"of {longest} tokens ({longest - params.max_new_tokens} of prompt + max_new_tokens "
+                              f"{params.max_new_tokens}): raise engine.max_model_len")
         self.wake_up()
         stop_ids = sorted(self.stops.stop_ids(params.stop_at_newline))
-        # logprobs=0: only the sampled token's; processed (after temperature) only equals the trainer's whole-vocab
-        # distribution without nucleus truncation
-        logprobs = 0 if params.logprobs and params.top_p == 1 else None
+        # logprobs=0: only the sampled token's, processed (after temperature, and under top_p < 1 renormalised over
+        # the nucleus: the distribution it sampled from)
+        logprobs = 0 if params.logprobs else None
         sampling = [self._vllm.SamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
             stop_token_ids=stop_ids, detokenize=False, logprobs=logprobs, seed=request_seed)
