@@ -293,7 +293,7 @@ class EngineConfig:
                            "sync after each update reloads them. Frees both for training; costs a wake-up per "
                            "iteration.")
     dtype: str = opt("auto", "Precision the engine computes in. `auto`: the trainer's compute precision, bfloat16 "
-                     "under trainer.precision=bf16-mixed or bf16-true, float32 under 32-true (never the dtype the "
+                     "under trainer.precision=bf16-mixed, float32 under 32-true (never the dtype the "
                      "weights are stored or read in). vLLM gets the weights cast to it at every sync; HF generate "
                      "runs in its autocast (bfloat16, float16) or in the parameters' dtype (float32), so under `auto` "
                      "it samples in the update's precision context. float32 next to a 32-true trainer is what lets "

@@ -65,9 +65,9 @@ TIP_HEADER_TOKENS = 32
 
 
 def trainer_compute_dtype(cfg: TrainConfig) -> str:
-    """The precision the update computes in: bfloat16 under `bf16-mixed` (autocast) and `bf16-true`, else float32.
+    """The precision the update computes in: bfloat16 under `bf16-mixed` (autocast), else float32.
     Read from `trainer.precision` alone, never from the weights' dtype (`model.dtype` names how they are read)."""
-    return "bfloat16" if cfg.trainer.precision.startswith("bf16") else "float32"
+    return "bfloat16" if cfg.trainer.precision == "bf16-mixed" else "float32"
 
 
 def engine_dtype(cfg: TrainConfig) -> str:

@@ -196,7 +196,6 @@ def test_generation_logprobs_are_taken_only_where_they_are_the_scored_distributi
 @pytest.mark.parametrize("overrides, dtype", [
     ([], "float32"),
     (["trainer.precision=bf16-mixed"], "bfloat16"),
-    (["trainer.precision=bf16-true"], "bfloat16"),
     (["model.dtype=bfloat16"], "float32"),  # the dtype weights are read in is not the compute precision
     (["trainer.precision=bf16-mixed", "engine.dtype=float32"], "float32"),
     (["engine.dtype=float16"], "float16"),
