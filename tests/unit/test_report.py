@@ -53,3 +53,17 @@ def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path)
     assert f"seed 3 | run folder {tmp_path / 'run'}" in lines[1] and "on cpu x1" in lines[1]
     assert lines[2].startswith("  MLflow run abc123 in ")
     assert len(start_lines(cfg, tmp_path, None)) == 2  # no tracking, no MLflow line
+
+
+def test_the_closing_report_says_where_the_time_went_and_the_peak_memory(capsys):
+    from empo2.cli import print_report
+    from empo2.lit.progress import PHASES
+
+    phases = {"wall_s": 100.0, "phases_s": {key: 10.0 for key, _ in PHASES}, "other_s": 10.0, "peak_rss_gib": 2.345}
+    print_report({"metrics": {"time/total_s": 100.0}, "phases": phases, "run_dir": "r", "summary_path": "s",
+                  "checkpoint": None, "plot": "p"})
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("  where the time went (1:40 wall):")
+    assert out[at + 2] == "    start-up                0:10  10.0%"
+    assert out[at + 2 + len(PHASES)] == "    other                   0:10  10.0%"
+    assert out[at + 3 + len(PHASES)].startswith("  peak memory          2.35 GiB (resident, this process and its")
