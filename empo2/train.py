@@ -86,7 +86,7 @@ def _logger(cfg: TrainConfig, run_dir: Path):
 
 def validation_line(cfg: TrainConfig, tasks: list, budget=None, shown: int = 8) -> str:
     """`  validation: 3 episodes of test variations, every 5 iterations and after the last; step budgets
-    lifespan-longest-lived 10, find-living-thing 20, power-component 30`: the fixed validation set by task type,
+    lifespan-longest-lived 10, find-non-living-thing 15, find-living-thing 20`: the fixed validation set by task type,
     with its step budget (`env.max_steps`, else `budget(task)` where the environment has a table), the first
     `shown` types."""
     types = list(dict.fromkeys(t.task for t in tasks))

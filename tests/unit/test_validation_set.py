@@ -8,7 +8,7 @@ from empo2.envs.scienceworld_tasks import DEFAULT_OOD_TASKS, TASK_BUDGETS
 from empo2.rollout.build import validation_task_types, validation_tasks
 from empo2.train import start_lines, validation_line
 
-SPREAD = ["lifespan-longest-lived", "find-living-thing", "power-component"]
+SPREAD = ["lifespan-longest-lived", "find-non-living-thing", "find-living-thing"]
 
 
 def test_validation_plays_the_named_types_else_the_trained_ones_else_the_environments_default():
@@ -25,7 +25,7 @@ def test_validation_plays_the_named_types_else_the_trained_ones_else_the_environ
 
 def test_scienceworlds_default_spread_is_short_in_distribution_and_sized_by_the_variations():
     budgets = [TASK_BUDGETS[t] for t in SPREAD]
-    assert budgets == sorted(budgets) and max(budgets) <= 30 and len(set(budgets)) == len(budgets)
+    assert budgets == sorted(budgets) and max(budgets) <= 20 and len(set(budgets)) == len(budgets)
     assert not set(SPREAD) & set(DEFAULT_OOD_TASKS)
     cfg = load_config(["env=scienceworld", "env.val_variations=1", "env.val_repeats=2"])
     tasks = validation_tasks(cfg)
@@ -37,7 +37,7 @@ def test_the_start_header_names_the_validation_set_with_its_step_budgets(tmp_pat
     tasks = [TaskSpec(t, v) for t in SPREAD for v in (0, 1)]
     line = validation_line(cfg, tasks, TASK_BUDGETS.get)
     assert line == ("  validation: 6 episodes of test variations, every 5 iterations and after the last; step budgets "
-                    "lifespan-longest-lived 10, find-living-thing 20, power-component 30")
+                    "lifespan-longest-lived 10, find-non-living-thing 15, find-living-thing 20")
     assert start_lines(cfg, tmp_path, None, line)[2] == line
     fixed = load_config(["env=scienceworld", "env.max_steps=7"])  # one budget for every task
     assert validation_line(fixed, tasks[:1], TASK_BUDGETS.get).endswith("step budgets lifespan-longest-lived 7")
