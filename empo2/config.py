@@ -79,7 +79,7 @@ class EnvConfig:
     val_default_tasks: list = opt([], "Task types validation plays when neither `val_tasks` nor `tasks` names any; "
                                   "empty: every in-distribution task (MiniSci, TextWorld). ScienceWorld's env config "
                                   "names three short types of two families (10, 15, 20 steps): all 26 types, 10 to 880 "
-                                  "steps, take about 10 minutes per validation for SmolLM2 on 2 cores; "
+                                  "steps, keep SmolLM2 on 2 cores validating for many minutes (docs/performance.md); "
                                   "`env.val_default_tasks=[]` validates on all of them.")
     val_variations: int = opt(4, "Variations per task in the fixed validation list (the first ones of "
                               "`val_split`, so validation never drifts between runs).", gt=0)
