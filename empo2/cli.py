@@ -183,6 +183,13 @@ def print_report(summary: dict) -> None:
     for key in shown:
         if key in m:
             print(f"  {key:<20} {m[key]:.3f}")
+    phases = summary.get("phases")
+    if phases:
+        from empo2.lit.progress import phase_table
+
+        print("\n".join(f"  {line}" for line in phase_table(phases)))
+        print(f"  {'peak memory':<20} {phases['peak_rss_gib']:.2f} GiB (resident, this process and its children: "
+              "environments, engine workers)")
     print(f"  run folder           {summary['run_dir']}")
     print(f"  summary              {summary['summary_path']}")
     print(f"  checkpoint           {summary['checkpoint']}")

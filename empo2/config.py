@@ -78,6 +78,15 @@ class EnvConfig:
                                        "when a variation recurs; null samples from every train variation.",
                                        gt=0, nullable=True)
     val_split: str = opt("test", "Variation split of the fixed validation list.", choices=("train", "dev", "test"))
+    val_tasks: list = opt([], "Task types validation plays, fixed for the run. Empty: those `tasks` names, else "
+                          "`val_default_tasks`. Every type adds its episodes to one lock-step batch that runs until "
+                          "its longest budget ends, so a long type (ScienceWorld: up to 880 steps) sets the time of "
+                          "every validation.")
+    val_default_tasks: list = opt([], "Task types validation plays when neither `val_tasks` nor `tasks` names any; "
+                                  "empty: every in-distribution task (MiniSci, TextWorld). ScienceWorld's env config "
+                                  "names three short types of two families (10, 15, 20 steps): all 26 types, 10 to 880 "
+                                  "steps, keep SmolLM2 on 2 cores validating for many minutes (docs/performance.md); "
+                                  "`env.val_default_tasks=[]` validates on all of them.")
     val_variations: int = opt(4, "Variations per task in the fixed validation list (the first ones of "
                               "`val_split`, so validation never drifts between runs).", gt=0)
     val_repeats: int = opt(1, "Episodes played on each validation instance; val/* averages them (released code: 4, "

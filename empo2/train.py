@@ -18,7 +18,7 @@ from empo2.config import ConfigError, TrainConfig, to_dict
 from empo2.errors import Interrupted
 from empo2.models import load_policy
 from empo2.runs import check_tracking, run_tags, tracking_uri
-from empo2.utils import atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
+from empo2.utils import PeakMemory, atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -84,8 +84,24 @@ def _logger(cfg: TrainConfig, run_dir: Path):
                                  spool=run_dir / SPOOL_NAME, retry_s=cfg.logger.retry_s)
 
 
-def start_lines(cfg: TrainConfig, run_dir: Path, mlflow_run: str | None) -> list[str]:
-    """The header a run prints before its first rollout: what runs, where it goes, and on what."""
+def validation_line(cfg: TrainConfig, tasks: list, budget=None, shown: int = 8) -> str:
+    """`  validation: 3 episodes of test variations, every 5 iterations and after the last; step budgets
+    lifespan-longest-lived 10, find-non-living-thing 15, find-living-thing 20`: the fixed validation set by task type,
+    with its step budget (`env.max_steps`, else `budget(task)` where the environment has a table), the first
+    `shown` types."""
+    types = list(dict.fromkeys(t.task for t in tasks))
+    if cfg.env.max_steps is None and budget is None:
+        named = f"task types {', '.join(types[:shown])}"
+    else:
+        named = "step budgets " + ", ".join(f"{t} {cfg.env.max_steps or budget(t)}" for t in types[:shown])
+    more = f" and {len(types) - shown} more" if len(types) > shown else ""
+    return (f"  validation: {plural(len(tasks), 'episode')} of {cfg.env.val_split} variations, every "
+            f"{plural(cfg.trainer.val_every, 'iteration')} and after the last; {named}{more}")
+
+
+def start_lines(cfg: TrainConfig, run_dir: Path, mlflow_run: str | None, validation: str | None = None) -> list[str]:
+    """The header a run prints before its first rollout: what runs, where it goes, on what, and what validation
+    plays (`validation_line`)."""
     t = cfg.trainer
     tasks = ", ".join(cfg.env.tasks) if cfg.env.tasks else "all training tasks"
     lines = [f"empo2 train: {cfg.experiment or 'the default config'} | {cfg.algo.name} (p {cfg.algo.p:g}, "
@@ -94,6 +110,8 @@ def start_lines(cfg: TrainConfig, run_dir: Path, mlflow_run: str | None) -> list
              f"  {plural(t.iterations, 'iteration')} of {plural(cfg.rollout.tasks_per_batch, 'task')} x "
              f"{plural(cfg.rollout.group_size, 'rollout')} on {t.accelerator} x{t.devices * t.num_nodes}, "
              f"seed {cfg.seed} | run folder {run_dir}"]
+    if validation:
+        lines.append(validation)
     if mlflow_run:
         lines.append(f"  MLflow run {mlflow_run} in {tracking_uri(cfg)} (experiment {cfg.logger.experiment})")
     return lines
@@ -156,7 +174,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
     from empo2.preflight import preflight
 
-    t0 = time.time()
+    t0, start = time.time(), time.perf_counter()
     preflight(cfg)  # the machine's side of the config, before the heavy imports and any folder
     run_name = resume_run_name(cfg)
     check_tracking(cfg)
@@ -166,7 +184,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     from empo2.lit.checkpoint_io import LAST, AtomicCheckpointIO, IterationCheckpoint, remove_torn_writes
     from empo2.lit.data import RolloutDataModule
     from empo2.lit.module import EMPO2Module
-    from empo2.lit.progress import IterationProgressBar
+    from empo2.lit.progress import IterationProgressBar, PhaseTimes
     from empo2.lit.strategy import build_strategy
     from empo2.rollout.build import build_collector, generation_logprobs_exact, validation_tasks
 
@@ -196,9 +214,10 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
                          temperature=cfg.rollout.temperature)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))
     collector = build_collector(cfg, model, tok, n_envs, with_engine=False)
-    rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks, train_val_tasks)
+    times = PhaseTimes(start)
+    rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks, train_val_tasks, times)
     ckpt_dir = run_dir / "checkpoints"
-    ckpt_cb = IterationCheckpoint(ckpt_dir, cfg.trainer.ckpt_every)
+    ckpt_cb = IterationCheckpoint(ckpt_dir, cfg.trainer.ckpt_every, times)
     logger = _logger(cfg, run_dir)
     progress = IterationProgressBar(rollout_cb)  # iteration k/N, return, success, memory size; a line per iteration
     trainer = L.Trainer(
@@ -212,7 +231,9 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     if logger is not None and trainer.is_global_zero:  # written at once, so a killed run resumes into the same run
         (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
     if trainer.is_global_zero:
-        print("\n".join(start_lines(cfg, run_dir, logger.run_id if logger is not None else None)), flush=True)
+        validation = validation_line(cfg, val_tasks, getattr(collector.envs[0], "budget", None))
+        print("\n".join(start_lines(cfg, run_dir, logger.run_id if logger is not None else None, validation)),
+              flush=True)
     ckpt_path = Path(cfg.resume).expanduser() if cfg.resume not in ("never", "auto") else None
     if cfg.resume == "auto" and ckpt_dir.is_dir():
         for torn in remove_torn_writes(ckpt_dir):
@@ -220,6 +241,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         ckpt_path = find_resume_checkpoint(ckpt_dir)
     if ckpt_path:
         print(f"resuming from {ckpt_path}")
+    peak_memory = PeakMemory().start()  # the environments' and engine's processes are up; the model is loaded
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None,
                     weights_only=True)
@@ -227,6 +249,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         e.run_dir = run_dir  # the CLI names it in its resume hint
         raise
     finally:
+        peak_rss_gib = peak_memory.stop()
         for env in collector.envs:
             env.close()
         if outer_run_name is None:
@@ -247,6 +270,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     for h in history:
         final.update({k: v for k, v in h.items() if k != "iteration"})
     final["time/total_s"] = time.time() - t0
+    phases = dict(times.report(), peak_rss_gib=peak_rss_gib)  # this process's wall time, phase by phase
     plot_path, config_path = run_dir / "learning_curve.png", run_dir / "config.yaml"
     if trainer.is_global_zero:
         from omegaconf import OmegaConf
@@ -262,7 +286,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
                "mlflow_tracking_uri": logger._tracking_uri if logger is not None else None,
                # the engine's log-probs were the old log-probs (no scoring pass: a sampler/trainer gap of 0)
                "logprobs_exact": cfg.algo.update_policy and generation_logprobs_exact(cfg),
-               "run_dir": str(run_dir), "plot": str(plot_path), "config_file": str(config_path),
+               "phases": phases, "run_dir": str(run_dir), "plot": str(plot_path), "config_file": str(config_path),
                "summary_path": str(run_dir / "summary.json")}
     if trainer.is_global_zero:
         atomic_write_json(summary["summary_path"], summary)

@@ -1,4 +1,5 @@
-"""Small shared helpers: atomic file writes, seeding, run folders, the cache folder, a quiet console."""
+"""Small shared helpers: atomic file writes, seeding, run folders, the cache folder, a quiet console, the peak
+memory of a process tree."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import json
 import logging
 import os
 import random
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -163,3 +166,60 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def tree_rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process and all its descendants (ScienceWorld's JVMs, engine workers), summed, in bytes;
+    0 where /proc cannot be read. Pages two processes share count twice."""
+    parent, rss = {}, {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return 0
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended since the listing
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        parent[int(name)], rss[int(name)] = int(fields[1]), int(fields[21])
+    children: dict[int, list[int]] = {}
+    for child, ppid in parent.items():
+        children.setdefault(ppid, []).append(child)
+    todo, pages = [pid or os.getpid()], 0
+    while todo:
+        p = todo.pop()
+        pages += rss.get(p, 0)
+        todo += children.get(p, [])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """The peak resident memory of this process and its descendants between `start()` and `stop()`: the largest
+    `tree_rss_bytes` a background thread saw, sampling every `interval` seconds (a shorter spike can fall between
+    two samples), and never below this process's own exact peak (`ru_maxrss`)."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval, self.peak = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="empo2-peak-memory", daemon=True)
+
+    def start(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def stop(self) -> float:
+        """Stop sampling; the peak in GiB."""
+        import resource
+
+        self._stop.set()
+        self._thread.join()
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return max(self.peak, own, tree_rss_bytes()) / 2**30
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_rss_bytes())
+            if self._stop.wait(self.interval):
+                return

@@ -26,7 +26,7 @@ from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
-from empo2.lit.progress import Phase
+from empo2.lit.progress import Phase, PhaseTimes
 from empo2.lit.strategy import unsharded
 from empo2.rollout.build import engine_for
 from empo2.rollout.collector import RolloutCollector
@@ -64,7 +64,7 @@ def generation_weights(trainer: L.Trainer, engine):
 
 class RolloutCallback(L.Callback):
     def __init__(self, cfg: TrainConfig, collector: RolloutCollector, datamodule: RolloutDataModule,
-                 val_tasks: list[TaskSpec], train_val_tasks: list[TaskSpec] = ()):
+                 val_tasks: list[TaskSpec], train_val_tasks: list[TaskSpec] = (), times: PhaseTimes | None = None):
         self.cfg, self.collector, self.datamodule, self.val_tasks = cfg, collector, datamodule, val_tasks
         self.train_val_tasks = list(train_val_tasks)  # `trainer.val_train`: the training instances, tip-free
         self.catalogue = get_catalogue(cfg.env.name)
@@ -79,6 +79,9 @@ class RolloutCallback(L.Callback):
         self._engine_synced = False
         self._sync_s = 0.0  # seconds spent loading weights into the engine since the last iteration's stats
         self.phase = Phase()  # rollouts, update or validation, with its count (the progress bar shows it)
+        self.times = times or PhaseTimes(time.perf_counter())  # where the run's time goes (MLflow's time/*)
+        self._startup: dict[str, float] = {}  # time/startup_s, logged with the fit's first rollouts
+        self._update_t0: float | None = None  # when this iteration's rollouts were handed to the update
         # p = 1 (memory only): no group holds a tip-free rollout to set the tips against, so each training rollout
         # is kept as (instance, iteration, score, carried tips) for `first_visit_gain`; this rank's rollouts only
         self.visits: list[tuple] | None = [] if cfg.algo.p == 1 and collector.memory is not None else None
@@ -96,6 +99,7 @@ class RolloutCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         # After the strategy set-up, before the first rollout is fetched. A resumed run (ckpt_path) logged its
         # baseline already; FSDP restores only after this hook, so the iteration counter cannot tell.
+        self._startup = self.times.since("startup", self.times.start)  # processes, model, engine, envs are up
         if self.cfg.trainer.val_before_train and trainer.ckpt_path is None:
             with generation_weights(trainer, self.collector.engine):
                 stats = self.validate(-1)
@@ -129,11 +133,13 @@ class RolloutCallback(L.Callback):
             self._share_tips(batch.new_tips)
             batch.stats["memory/size"] = float(len(self.collector.memory or []))
 
+        t0 = time.perf_counter()
         if cfg.algo.update_policy:  # on the shards under FSDP, forwards padded to the busiest rank's
             old = pl_module.old_logprobs(batch.samples, cfg.trainer.micro_batch_size)
             samples = batch.samples
         else:  # memory-only agent: the iteration is its rollouts (and tips); nothing to train on
             old, samples = [], []
+        times = self.times.since("old_logprobs", t0)
         n_mini = self.datamodule.set_rollouts(samples, old, it, rank, world, pl_module.device)
         self.phase.set("update", 0, n_mini * cfg.trainer.ppo_epochs, it)
         steps = torch.tensor([len(batch.samples)], device=pl_module.device)  # one sample per environment step
@@ -142,7 +148,10 @@ class RolloutCallback(L.Callback):
         self.env_steps += int(steps.item())
 
         stats = dict(batch.stats, **{"train/iteration": float(it), "train/env_steps": float(self.env_steps),
-                                     "algo/beta": self.collector.settings.beta})
+                                     "algo/beta": self.collector.settings.beta}, **times, **self._startup)
+        stats.update(self.times.add(generate=batch.stats["time/generate_s"], env=batch.stats["time/env_s"],
+                                    tips_retrieval=batch.stats["time/tips_s"] + batch.stats["time/memory_s"]))
+        self._startup = {}
         stats.update(pl_module.logprob_gap(batch.samples, old))  # this rank's samples
         if self.visits is not None:  # the estimate over the run so far: its last value is the run's
             self.visits += [(f"{tr.task}#{tr.variation}", it, tr.score, tr.carried_tips) for tr in batch.trajectories]
@@ -153,12 +162,14 @@ class RolloutCallback(L.Callback):
         stats["env/restarts"] = float(self._env_restarts())
         stats["time/weight_sync_s"], self._sync_s = self._sync_s, 0.0  # the syncs since the last iteration's stats
         self._log(trainer, it, stats)
+        self._update_t0 = time.perf_counter()
 
     def _sync_engine(self, pl_module) -> None:
         # full tensors with Hugging Face names (FSDP gathered, LoRA merged); lazy, so HFEngine costs nothing
         start = time.perf_counter()
         self.collector.engine.update_weights(full_named_tensors(pl_module.policy))
         self._sync_s += time.perf_counter() - start
+        self.times.since("weight_sync", start)
         self._engine_synced = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -166,19 +177,22 @@ class RolloutCallback(L.Callback):
             self.phase.advance()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        stats = self.times.since("update", self._update_t0) if self._update_t0 is not None else {}
+        self._update_t0 = None
         self._sync_engine(pl_module)
         it = self.iteration
         if (it + 1) % self.cfg.trainer.val_every == 0 or it + 1 == self.cfg.trainer.iterations:
             with generation_weights(trainer, self.collector.engine):
-                stats = self.validate(it)
+                stats.update(self.validate(it))
+        if stats:
             self._log(trainer, it, stats)
         self.iteration += 1
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Score the fixed validation list (`val/*`), and with `trainer.val_train` the training instances
         (`val_train/*`), without memory and, with `trainer.val_memory`, with it; each instance's score as
-        `<prefix>/score_<mode>/<task>-<variation>` besides the mean."""
-        out = {}
+        `<prefix>/score_<mode>/<task>-<variation>` besides the mean, and the time it took (`time/validation_s`)."""
+        t0, out = time.perf_counter(), {}
         with_memory = self.cfg.trainer.val_memory and self.collector.memory is not None
         modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
         lists = [("val", self.val_tasks, ())] + ([("val_train", self.train_val_tasks, (1,))]
@@ -200,7 +214,7 @@ class RolloutCallback(L.Callback):
                 out.update({f"{prefix}/score_{name}/{tr.task}-{tr.variation}": tr.score for tr in batch.trajectories})
                 out[f"{prefix}/success_{name}"] = batch.stats["rollout/success"]
                 out[f"{prefix}/episode_len_{name}"] = batch.stats["rollout/episode_len"]
-        return out
+        return dict(out, **self.times.since("validation", t0))
 
     # ------------------------------------------------------------------------------------ helpers
     def _collect(self, phase: str, before: int, total: int, tasks: list[TaskSpec], group_size: int, iteration: int,

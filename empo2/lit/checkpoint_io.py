@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from empo2.faults import maybe_fail
+from empo2.lit.progress import PhaseTimes
 from empo2.utils import fsync_path, uninterrupted
 
 TMP_SUFFIX = ".tmp"
@@ -94,15 +96,21 @@ class IterationCheckpoint(Checkpoint):
     that took no optimiser step (a memory-only agent's: its state is the tip memory).
     """
 
-    def __init__(self, dirpath: Path, every: int):
+    def __init__(self, dirpath: Path, every: int, times: PhaseTimes | None = None):
         self.dirpath, self.every = Path(dirpath), every
+        self.times = times  # counts each save as the run's checkpoint phase, MLflow's time/checkpoint_s
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         iteration = trainer.current_epoch
         if (iteration + 1) % self.every:
             return
         path = self.dirpath / f"iter-epoch={iteration:04d}.ckpt"  # the name Lightning's ModelCheckpoint gave them
+        t0 = time.perf_counter()
         # every rank takes part (sharded strategies gather), rank 0 writes; the full state: optimiser, callbacks
         trainer.save_checkpoint(path, weights_only=False)
         if trainer.is_global_zero:
             point_link(self.dirpath / LAST, path.name)
+        if self.times is not None:
+            metrics = self.times.since("checkpoint", t0)
+            if trainer.logger is not None and trainer.is_global_zero:
+                trainer.logger.log_metrics(metrics, step=iteration)

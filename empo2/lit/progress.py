@@ -1,6 +1,7 @@
 """The console while a run trains: Lightning's rich bar, numbered as EMPO² iterations, counting the phase the
 iteration is in (rollouts, update, validation) in its own unit, plus one plain line per iteration (readable
-in a log file or a non-terminal, where the live bar is left out)."""
+in a log file or a non-terminal, where the live bar is left out); and where the run's time went, phase by phase,
+for MLflow (per iteration) and the closing report (over the run)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,47 @@ STATS = (("rollout/score", "score", ".1f"), ("rollout/success", "success", ".2f"
          ("rollout/score_memory", "with tips", ".1f"), ("rollout/score_tipfree", "tip-free", ".1f"),
          ("val/score_nomem", "val", ".1f"), ("memory/size", "memory", ".0f"))
 BAR_STATS = ("score", "success", "memory")
+
+
+# (key, label) of the phases a run's wall time is split into: MLflow gets `time/<key>_s` per iteration, the closing
+# report the run's totals. Generation, environment and tips count the training rollouts (validation's are its own).
+PHASES = (("startup", "start-up"), ("generate", "generation"), ("env", "environment"),
+          ("tips_retrieval", "tips and retrieval"), ("old_logprobs", "old log-probs"), ("update", "update"),
+          ("weight_sync", "weight sync"), ("validation", "validation"), ("checkpoint", "checkpoint"))
+
+
+class PhaseTimes:
+    """Seconds this process spent in each of PHASES, summed over the run, from `start` (a `time.perf_counter()`
+    value: when the run began)."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.totals = dict.fromkeys((key for key, _ in PHASES), 0.0)
+
+    def add(self, **seconds: float) -> dict[str, float]:
+        """Count `phase=seconds` into the totals; returns them as the `time/<phase>_s` metrics of an iteration."""
+        for phase, s in seconds.items():
+            self.totals[phase] += s
+        return {f"time/{phase}_s": s for phase, s in seconds.items()}
+
+    def since(self, phase: str, t0: float) -> dict[str, float]:
+        """`add(phase=now - t0)`."""
+        return self.add(**{phase: time.perf_counter() - t0})
+
+    def report(self) -> dict:
+        """`{"wall_s", "phases_s", "other_s"}` from `start` to now: other is the wall time outside every phase
+        (Lightning's own work, logging, the run's closing files), so the phases and other add up to the wall."""
+        wall = time.perf_counter() - self.start
+        return {"wall_s": wall, "phases_s": dict(self.totals), "other_s": wall - sum(self.totals.values())}
+
+
+def phase_table(report: dict) -> list[str]:
+    """The closing report's table of `PhaseTimes.report()`: each phase's total and its share of the wall time."""
+    wall = report["wall_s"]
+    rows = [(label, report["phases_s"][key]) for key, label in PHASES] + [("other", report["other_s"])]
+    lines = [f"where the time went ({clock(wall)} wall):", f"  {'phase':<20} {'time':>7} {'share':>6}"]
+    lines += [f"  {label:<20} {clock(s):>7} {100 * s / max(wall, 1e-9):5.1f}%" for label, s in rows]
+    return lines
 
 
 @dataclass

@@ -29,32 +29,38 @@ def env_kwargs(cfg: TrainConfig) -> dict:
     return kw
 
 
+def validation_task_types(cfg: TrainConfig) -> list[str]:
+    """The task types validation plays: `env.val_tasks`, else those the run trains on (`env.tasks`), else
+    `env.val_default_tasks`, else every in-distribution task of the catalogue."""
+    return list(cfg.env.val_tasks or cfg.env.tasks or cfg.env.val_default_tasks
+                or get_catalogue(cfg.env.name).tasks())
+
+
 def validation_tasks(cfg: TrainConfig, on_train: bool = False) -> list[TaskSpec]:
-    """The fixed validation list: the first `val_variations` variations of `val_split` for every task, so
-    two runs (and two iterations of one run) are always scored on the same instances. With `on_train`, the
-    first ones of the variations the run trains on (`train_split`, within `train_variations`). Each held-out
-    instance appears `val_repeats` times in a row."""
+    """The fixed validation list: the first `val_variations` variations of `val_split` for every validation task
+    type (`validation_task_types`), so two runs (and two iterations of one run) are always scored on the same
+    instances. With `on_train`, the first ones of the variations the run trains on (`train_split`, within
+    `train_variations`). Each held-out instance appears `val_repeats` times in a row."""
     cat = get_catalogue(cfg.env.name)
-    tasks = cfg.env.tasks or cat.tasks()
     split, n = cfg.env.val_split, cfg.env.val_variations
     if on_train:
         split, n = cfg.env.train_split, min(n, cfg.env.train_variations or n)
     repeats = 1 if on_train else cfg.env.val_repeats  # each instance played that many times (released code: 4)
-    return [TaskSpec(t, v) for t in tasks for v in cat.split(t, split)[:n] for _ in range(repeats)]
+    return [TaskSpec(t, v) for t in validation_task_types(cfg) for v in cat.split(t, split)[:n] for _ in range(repeats)]
 
 
 def episode_step_bound(cfg: TrainConfig, env) -> int:
     """How many lock-step steps a collection may run: `env.max_steps`, else the longest per-task budget of
-    the run's tasks where the environment has a budget table (ScienceWorld's reach 880 steps), and never
-    below 100 (the environments end their episodes themselves; the bound is also the width of the mode
-    draws, so it stays fixed for a given config)."""
+    the run's training and validation task types where the environment has a budget table (ScienceWorld's reach
+    880 steps), and never below 100 (the environments end their episodes themselves; the bound is also the width
+    of the mode draws, so it stays fixed for a given config)."""
     if cfg.env.max_steps is not None:
         return cfg.env.max_steps
     budget = getattr(env, "budget", None)
     if budget is None:
         return 100
     tasks = cfg.env.tasks or get_catalogue(cfg.env.name).tasks()
-    return max(100, *(budget(t) for t in tasks))
+    return max(100, *(budget(t) for t in [*tasks, *validation_task_types(cfg)]))
 
 
 # What a tip line adds to the tip's own tokens (its `<tip>` tags, newline and, in an entry, the score text), and

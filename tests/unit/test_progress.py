@@ -1,7 +1,22 @@
 """The console of a run: the per-iteration line (1-based iteration, key numbers, elapsed and an ETA from the mean
-pace) and the live bar's text (the phase with its own count)."""
+pace) and the live bar's text (the phase with its own count); the run's time by phase (MLflow and the closing
+report)."""
 
-from empo2.lit.progress import BAR_STATS, Phase, bar_description, eta_line, iteration_stats, stat_values
+import time
+
+import pytest
+
+from empo2.lit.progress import (
+    BAR_STATS,
+    PHASES,
+    Phase,
+    PhaseTimes,
+    bar_description,
+    eta_line,
+    iteration_stats,
+    phase_table,
+    stat_values,
+)
 
 
 def test_eta_extrapolates_the_mean_time_of_the_iterations_run_here():
@@ -54,3 +69,28 @@ def test_iteration_stats_merge_one_iteration_and_the_bar_shows_score_success_and
     assert iteration_stats(history)["rollout/score"] == 20.0  # the latest iteration by default
     assert iteration_stats([]) == {}
     assert stat_values(iteration_stats(history), BAR_STATS) == [("score", "20.0"), ("success", "0.50"), ("memory", "8")]
+
+
+def test_the_iteration_line_keeps_its_width_whatever_times_an_iteration_logs():
+    stats = {"rollout/score": 25.04, "memory/size": 40.0}
+    timed = dict(stats, **{f"time/{key}_s": 1.0 for key, _ in PHASES})
+    assert eta_line(3, 24, 3, 62.0, timed) == eta_line(3, 24, 3, 62.0, stats)
+
+
+def test_phase_times_add_up_with_other_to_the_wall_and_the_table_shares_to_100_percent():
+    times = PhaseTimes(start=time.perf_counter() - 10.0)  # a run that began 10 s ago
+    assert times.add(generate=3.0, env=1.5) == {"time/generate_s": 3.0, "time/env_s": 1.5}
+    times.add(generate=1.0)
+    assert times.since("update", time.perf_counter() - 2.0)["time/update_s"] == pytest.approx(2.0, abs=0.1)
+    report = times.report()
+    assert report["phases_s"]["generate"] == 4.0 and report["phases_s"]["checkpoint"] == 0.0
+    assert list(report["phases_s"]) == [key for key, _ in PHASES]
+    assert report["wall_s"] == pytest.approx(10.0, abs=0.1)
+    assert sum(report["phases_s"].values()) + report["other_s"] == pytest.approx(report["wall_s"])
+    phases = dict(report["phases_s"], startup=50.0, update=2.5)  # 58 s in phases
+    lines = phase_table({"wall_s": 200.0, "phases_s": phases, "other_s": 142.0})
+    assert lines[0] == "where the time went (3:20 wall):"
+    rows = {line[:22].strip(): line[22:].split() for line in lines[2:]}
+    assert list(rows) == [label for _, label in PHASES] + ["other"]
+    assert rows["start-up"] == ["0:50", "25.0%"] and rows["generation"] == ["0:04", "2.0%"]
+    assert sum(float(share.rstrip("%")) for _, share in rows.values()) == pytest.approx(100.0, abs=0.1)

@@ -68,3 +68,17 @@ def test_the_report_gives_the_sampler_trainer_gap_or_says_it_is_zero_by_construc
         "sampler/trainer gap |log pi_old - log pi_engine| per token: mean 2.00e-02 and KL(engine || trainer) "
         "2.00e-04 (averaged over 2 iterations), max 5.00e-01"]
     assert gap_lines({"history": history[1:2]}) == []  # no engine log-probs recorded: nothing to say
+
+
+def test_the_closing_report_says_where_the_time_went_and_the_peak_memory(capsys):
+    from empo2.cli import print_report
+    from empo2.lit.progress import PHASES
+
+    phases = {"wall_s": 100.0, "phases_s": {key: 10.0 for key, _ in PHASES}, "other_s": 10.0, "peak_rss_gib": 2.345}
+    print_report({"metrics": {"time/total_s": 100.0}, "phases": phases, "run_dir": "r", "summary_path": "s",
+                  "checkpoint": None, "plot": "p"})
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("  where the time went (1:40 wall):")
+    assert out[at + 2] == "    start-up                0:10  10.0%"
+    assert out[at + 2 + len(PHASES)] == "    other                   0:10  10.0%"
+    assert out[at + 3 + len(PHASES)].startswith("  peak memory          2.35 GiB (resident, this process and its")
