@@ -49,14 +49,26 @@ def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     return None
 
 
+def started_ranks() -> int:
+    """How many processes of this run were started outside it, before the trainer exists: torchrun's WORLD_SIZE, or
+    the tasks of an srun, which Lightning takes as its ranks unless the job is interactive (named `bash` or
+    `interactive`, as Lightning's SLURMEnvironment tells). 1 where Lightning's own launcher will start the others
+    (they find the run folder in EMPO2_RUN_NAME)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
 def resume_run_name(cfg: TrainConfig) -> str | None:
     """The run folder name: `run_name`; with `resume=auto` and no name, the newest unfinished run under
     `run_root` (a checkpoint and no summary.json), so a bare `resume=auto` never silently starts over."""
     name = cfg.run_name or os.environ.get("EMPO2_RUN_NAME")
-    if not name and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # processes started by torchrun: each would name its own folder after its own clock
-        raise ConfigError("run_name is required when torchrun starts the processes: give run_name=NAME so every "
-                          "rank writes into the same run folder")
+    if not name and started_ranks() > 1:
+        # each process would name its own folder after its own clock
+        raise ConfigError("run_name is required when torchrun or srun starts the processes: give run_name=NAME so "
+                          "every rank writes into the same run folder")
     if name or cfg.resume != "auto":
         return name
     root = Path(cfg.run_root).expanduser()

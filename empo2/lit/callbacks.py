@@ -26,7 +26,7 @@ from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed, step_counts
 from empo2.lit.progress import Phase
-from empo2.lit.strategy import unsharded
+from empo2.lit.strategy import export_ranks, unsharded
 from empo2.rollout.collector import RolloutCollector
 from empo2.rollout.engines import build_engine, full_named_tensors
 from empo2.stats import first_visit_gain
@@ -82,6 +82,7 @@ class RolloutCallback(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
+        export_ranks(trainer)  # before the engine: vLLM takes its rank from the environment
         if self.collector.engine is None:
             # Built here, once the strategy has opened the process group: under ddp/fsdp vLLM then joins it (an
             # engine per rank) rather than opening a one-process group of its own, which the strategy would then

@@ -8,7 +8,14 @@ import pytest
 
 from empo2.cli import main
 from empo2.config import ConfigError
-from empo2.slurm import SlurmConfig, _sbatch_options, load_slurm_config, run_overrides, split_overrides
+from empo2.slurm import (
+    SlurmConfig,
+    _sbatch_options,
+    job_parameters,
+    load_slurm_config,
+    run_overrides,
+    split_overrides,
+)
 
 
 def test_launcher_overrides_are_split_from_the_run_overrides_and_read():
@@ -25,6 +32,18 @@ def test_launcher_overrides_are_split_from_the_run_overrides_and_read():
 def test_a_one_task_job_leaves_the_run_config_as_a_local_run_has_it():
     assert run_overrides(load_slurm_config([])) == []
     assert run_overrides(load_slurm_config(["launcher.gpus_per_node=1"])) == []
+    assert job_parameters(load_slurm_config([]), "j")["ntasks_per_node"] == 1
+
+
+def test_tasks_per_node_asks_for_that_many_ranks_on_a_cpu_node_and_one_per_gpu_by_default():
+    cpu = load_slurm_config(["launcher.tasks_per_node=2"])
+    assert run_overrides(cpu) == ["trainer.devices=2", "trainer.num_nodes=1"]
+    params = job_parameters(cpu, "j")
+    assert params["ntasks_per_node"] == 2 and "gpus_per_node" not in params  # no gres on a CPU cluster
+    gpus = job_parameters(load_slurm_config(["launcher.gpus_per_node=4", "launcher.nodes=2"]), "j")
+    assert (gpus["ntasks_per_node"], gpus["gpus_per_node"], gpus["nodes"]) == (4, 4, 2)
+    assert job_parameters(load_slurm_config(["launcher.gpus_per_node=4", "launcher.tasks_per_node=4"]),
+                          "j")["ntasks_per_node"] == 4
 
 
 @pytest.mark.parametrize("override, message", [
@@ -35,10 +54,13 @@ def test_a_one_task_job_leaves_the_run_config_as_a_local_run_has_it():
     ("launcher.mem_gb=0", "launcher.mem_gb=0 is out of range"),
     ("launcher.partion=gpu", "launcher.partion: unknown key (the fields: launcher.partition, "),
     ("launcher.extra=[qos=high]", "launcher.extra='qos=high' is not allowed: expected `--key=value` or `--flag`"),
+    ("launcher.tasks_per_node=0", "launcher.tasks_per_node=0 is out of range: expected [1, inf)"),
+    ("launcher.gpus_per_node=4 launcher.tasks_per_node=2",
+     "launcher.tasks_per_node=2 does not match launcher.gpus_per_node=4: each task (rank) takes one GPU"),
 ])
 def test_bad_launcher_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError) as e:
-        load_slurm_config([override])
+        load_slurm_config(override.split())
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
