@@ -218,5 +218,30 @@ def test_fsdp_on_two_cpu_processes_gives_each_ranks_engine_the_full_weights(tmp_
         gaps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(gaps) == 2
         assert all(g["now"] <= TOL < 100 * TOL < g["before"] for g in gaps), gaps
-    r0, r1 = (json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert_ranks_agree(tmp_path / "fsdp")
+
+
+def assert_ranks_agree(run_dir: Path) -> None:
+    """The two ranks of a data-parallel run end with the same weights and the same tip memory (`rank<r>.json`)."""
+    r0, r1 = (json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["weights_sha256"] == r1["weights_sha256"] and r0["memory_records"] == r1["memory_records"]
+
+
+# `trainer=fsdp engine=vllm` on 2 CPU processes, one short iteration: the launcher tests' run (test_workflows.py and
+# test_cluster.py start it by a sweep and by SLURM)
+FSDP_VLLM = VLLM_RUN + ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true",
+                        "trainer.iterations=1", "rollout.tasks_per_batch=2", "rollout.group_size=2", "env.max_steps=3",
+                        "env.val_variations=1", "torch_threads=1"]
+
+
+@pytest.mark.slow
+def test_fsdp_with_vllm_started_by_lightnings_own_launcher_runs_and_the_ranks_agree(tmp_path):
+    """The plain `empo2 train ... trainer=fsdp trainer.devices=2 engine=vllm`, no torchrun: Lightning's launcher starts
+    rank 1 without RANK, which vLLM's external launcher reads; the run finishes, with one report."""
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "train", *FSDP_VLLM, "logger=none",
+                           f"run_root={tmp_path}"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("== empo2 run finished ==") == 1, proc.stdout[-3000:]
+    (run_dir,) = [p.parent for p in tmp_path.glob("*/rank0.json")]  # no run_name: both ranks found one folder
+    assert_ranks_agree(run_dir)
