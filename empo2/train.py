@@ -276,4 +276,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
                "summary_path": str(run_dir / "summary.json")}
     if trainer.is_global_zero:
         atomic_write_json(summary["summary_path"], summary)
+    # the ranks Lightning's own launcher started (none under torchrun or srun) are not waited for by Lightning: the
+    # run ends once they have, so a sweep's next trial or a reader of rank<r>.json never meets one still running
+    for proc in getattr(trainer.strategy.launcher, "procs", ()):
+        proc.wait()
     return summary

@@ -245,3 +245,45 @@ def test_fsdp_with_vllm_started_by_lightnings_own_launcher_runs_and_the_ranks_ag
     assert proc.stdout.count("== empo2 run finished ==") == 1, proc.stdout[-3000:]
     (run_dir,) = [p.parent for p in tmp_path.glob("*/rank0.json")]  # no run_name: both ranks found one folder
     assert_ranks_agree(run_dir)
+
+
+def processes_naming(text: str) -> list[str]:
+    """The command lines of the processes still running with `text` in them (a run root names every rank's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_sweep_of_fsdp_trials_with_vllm_completes_each_told_once_and_leaves_no_process(tmp_path):
+    """`empo2 sweep` whose trials are 2-process `trainer=fsdp engine=vllm` runs (Lightning's launcher starts each
+    trial's rank 1): both trials complete, rank 0 alone tells the study and MLflow of each, and when the driver
+    returns no rank of any trial is left running."""
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    spec = {"study": "fsdp-vllm", "mlflow_experiment": "fsdp-vllm", "overrides": FSDP_VLLM, "metric": "rollout/return",
+            "n_trials": 2, "seed": 0, "pruner": {"type": "none"},
+            "space": {"algo.beta_start": {"type": "float", "low": 0.0, "high": 1.0}}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(spec))
+    root = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "sweep", str(path), f"run_root={root}"],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert processes_naming(str(root)) == []
+    study = optuna.load_study(study_name="fsdp-vllm", storage=f"sqlite:///{root / 'optuna.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], proc.stdout
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fsdp-vllm").experiment_id])
+    trials = sorted(r.data.tags["trial"] for r in runs if r.data.tags.get("mlflow.parentRunId"))
+    assert trials == ["0", "1"]  # one run per trial, not per rank
+    for number in (0, 1):
+        assert_ranks_agree(root / "fsdp-vllm" / f"trial-{number:04d}")
