@@ -22,6 +22,9 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
                       (MixedPrecisionPolicy); generation, old log-probs and validation run inside it, the update
                       on the sharded forward: on-policy (p=0), one sample per micro-batch, the first step's ratio
                       must be 1 and its KL 0 (to bf16 rounding), i.e. both passes score the same distribution
+  launcher_two_gpus   (2+ GPUs) the plain `empo2 train trainer=fsdp trainer.devices=2 engine=vllm`, no torchrun:
+                      Lightning's own launcher starts rank 1, each rank's vLLM engine on its own GPU; the ranks end
+                      with the same weights (rank<r>.json)
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -290,6 +293,28 @@ def main() -> int:
         ratio, kl = probe.metrics["actor/ratio_mean"], probe.metrics["actor/approx_kl"]
         assert abs(ratio - 1.0) < 1e-2 and kl < 1e-3, f"first-step ratio {ratio}, approx_kl {kl}"
         return {"first_step_ratio_mean": ratio, "first_step_approx_kl": kl, **probe.dtypes}
+
+    # ------------------------------------------------------------------ launchers: every one starts multi-process vLLM
+    if torch.cuda.device_count() < 2:
+        RESULTS.append({"check": "launcher_two_gpus", "status": "SKIP", "reason": "fewer than 2 GPUs"})
+        print("[SKIP] launcher_two_gpus (fewer than 2 GPUs)")
+    else:
+        @check("launcher_two_gpus")
+        def _():
+            # what `empo2 train experiment=empo2_paper` does on a multi-GPU node (trainer=fsdp has devices: auto):
+            # Lightning's launcher sets no RANK for the rank it starts; the run exports it before the engine reads it
+            with tempfile.TemporaryDirectory() as root:
+                cmd = [sys.executable, "-m", "empo2.cli", "train", "trainer=fsdp", "trainer.devices=2",
+                       "trainer.iterations=1", "engine=vllm", "rollout.tasks_per_batch=2", "env.max_steps=4",
+                       "logger=none", f"run_root={root}"]
+                if args.model_path:
+                    cmd += ["model=hf", f"model.path={args.model_path}"]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                assert proc.returncode == 0, proc.stderr[-2000:]
+                ranks = [json.loads(p.read_text()) for p in sorted(Path(root).glob("*/rank*.json"))]
+            assert len(ranks) == 2, f"{len(ranks)} rank files"
+            assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"], "the ranks ended with other weights"
+            return {"ranks": len(ranks)}
 
     return report(args.out)
 

@@ -228,9 +228,10 @@ def _environ(extra: dict):
                 os.environ[key] = value
 
 
-def job_parameters(cfg: SlurmConfig, name: str) -> dict:
-    """submitit's SlurmExecutor parameters (its names for the sbatch options) of a job named `name`."""
-    params = {"job_name": name, "nodes": cfg.nodes, "ntasks_per_node": tasks_per_node(cfg),
+def job_parameters(cfg: SlurmConfig, name: str, tasks: int | None = None) -> dict:
+    """submitit's SlurmExecutor parameters (its names for the sbatch options) of a job named `name`; `tasks` per
+    node: the config's (`tasks_per_node`) unless given."""
+    params = {"job_name": name, "nodes": cfg.nodes, "ntasks_per_node": tasks or tasks_per_node(cfg),
               "cpus_per_task": cfg.cpus_per_task, "time": cfg.time, "stderr_to_stdout": True,
               "additional_parameters": {"requeue": True, **_sbatch_options(cfg)}}
     params.update({k: v for k, v in (("partition", cfg.partition), ("account", cfg.account),
@@ -240,12 +241,13 @@ def job_parameters(cfg: SlurmConfig, name: str) -> dict:
 
 
 def submit(cfg: SlurmConfig, name: str, module: str, args: list[str], log: Path, folder: Path,
-           env: dict | None = None) -> str:
-    """Submit `python -m module args` as one job named `name`, with `env` added to its environment; submitit's
-    files go to `folder`. Returns the job id. `env` reaches the job the way the rest of the environment does,
-    through sbatch (stored by the controller), so a secret in it is on no command line, log or file in `folder`."""
+           env: dict | None = None, tasks: int | None = None) -> str:
+    """Submit `python -m module args` as one job named `name` (`tasks` per node, default the config's), with `env`
+    added to its environment; submitit's files go to `folder`. Returns the job id. `env` reaches the job the way
+    the rest of the environment does, through sbatch (stored by the controller), so a secret in it is on no command
+    line, log or file in `folder`."""
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=cfg.max_requeues)
-    executor.update_parameters(**job_parameters(cfg, name))
+    executor.update_parameters(**job_parameters(cfg, name, tasks))
     try:
         # submitit prints sbatch's refusal; ours is one line
         with contextlib.redirect_stderr(io.StringIO()), _environ(env or {}):

@@ -287,3 +287,19 @@ def test_a_sweep_of_fsdp_trials_with_vllm_completes_each_told_once_and_leaves_no
     assert trials == ["0", "1"]  # one run per trial, not per rank
     for number in (0, 1):
         assert_ranks_agree(root / "fsdp-vllm" / f"trial-{number:04d}")
+
+
+@pytest.mark.slow
+def test_a_local_grid_of_fsdp_runs_with_vllm_finishes_and_the_ranks_agree(tmp_path):
+    """`empo2 grid` on this machine: its worker pool starts the run, Lightning's launcher the run's rank 1."""
+    path = tmp_path / "ranks.yaml"
+    path.write_text(json.dumps({"name": "ranks", "presets": ["grpo_minisci"]}))
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "grid", str(path), *FSDP_VLLM,
+                           "rollout.tips_in_history=true", f"run_root={tmp_path / 'runs'}"],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    run_dir = tmp_path / "runs" / "ranks" / "grpo_minisci-s0"
+    log = (run_dir / "worker.log").read_text(errors="replace")[-3000:] if (run_dir / "worker.log").is_file() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + log
+    assert processes_naming(str(tmp_path)) == []
+    assert_ranks_agree(run_dir)

@@ -73,3 +73,16 @@ def test_the_local_launcher_refuses_launcher_keys_and_every_field_is_documented(
     text = capsys.readouterr().out
     for f in dataclasses.fields(SlurmConfig):
         assert f"launcher.{f.name} = " in text and f.metadata["help"] in text
+
+
+def test_a_sweep_worker_job_is_one_task_and_more_is_refused(capsys, tmp_path):
+    """A sweep worker job runs one driver; its trials' ranks come from trainer.devices, started inside the job."""
+    gpus = job_parameters(load_slurm_config(["launcher.gpus_per_node=8"]), "w", tasks=1)
+    assert (gpus["ntasks_per_node"], gpus["gpus_per_node"]) == (1, 8)
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text('{"study": "s", "metric": "rollout/return", "space": {"algo.q": {"type": "float", "low": 0, '
+                     '"high": 1}}}')
+    for key in ("launcher.tasks_per_node=2", "launcher.nodes=2"):
+        assert main(["sweep", str(sweep), "--launcher", "slurm", key, "model=tiny"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"empo2 sweep: error: {key} is not allowed for a sweep") and "\n" not in err
