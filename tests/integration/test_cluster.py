@@ -14,7 +14,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.integration.test_vllm import FSDP_VLLM, assert_ranks_agree
+from tests.integration.test_vllm import FSDP_VLLM, LAUNCHER_GRID, LAUNCHER_SWEEP, assert_ranks_agree
 from tests.services import free_port, postgres_bin, start_postgres
 from tests.slurm import JOBS, PARTITION, slurm_cluster, start_slurm  # noqa: F401 (the `slurm` fixture)
 
@@ -121,13 +121,9 @@ def test_a_two_task_job_runs_fsdp_with_vllm_one_rank_per_task(slurm, tmp_path):
     """`launcher.tasks_per_node=2` on a CPU node: one job of two tasks, srun starts the run in each and Lightning
     takes the ranks from SLURM_PROCID (no RANK, no LOCAL_RANK, which vLLM's external launcher reads); both ranks'
     engines start, the run finishes and the ranks agree. trainer.devices comes from the launcher."""
-    run = [o for o in FSDP_VLLM if not o.startswith("trainer.devices=")]
-    path = _grid_file(tmp_path, "ranks", ["grpo_minisci"], run + ["rollout.tips_in_history=true",
-                                                                  "trainer.mini_batch_size=4",
-                                                                  "trainer.micro_batch_size=2"])
-    proc = empo2(slurm, "grid", path, "--launcher", "slurm", *JOBS, "launcher.tasks_per_node=2",
+    proc = empo2(slurm, "grid", LAUNCHER_GRID, "--launcher", "slurm", *JOBS, "launcher.tasks_per_node=2",
                  f"run_root={tmp_path / 'runs'}", timeout=900)
-    run_dir = tmp_path / "runs" / "ranks" / "grpo_minisci-s0"
+    run_dir = tmp_path / "runs" / "launchers_minisci" / "grpo_minisci-s0"
     logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted(run_dir.glob("worker*.log")))
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
     job = (run_dir / "slurm_job").read_text().strip()
@@ -156,18 +152,13 @@ def test_plain_srun_starts_fsdp_with_vllm_one_rank_per_task(slurm, tmp_path):
 def test_a_sweep_worker_job_starts_the_ranks_of_its_fsdp_trials_with_vllm(slurm, tmp_path):
     """A sweep worker job is one task, its driver; Lightning's own launcher starts the trial's rank 1 inside it
     (Lightning would otherwise take the job's one task for the trial's world and refuse trainer.devices=2)."""
-    spec = {"study": "ranks", "mlflow_experiment": "ranks", "overrides": FSDP_VLLM, "metric": "rollout/return",
-            "n_trials": 1, "seed": 0, "pruner": {"type": "none"},
-            "space": {"algo.beta_start": {"type": "float", "low": 0.0, "high": 1.0}}}
-    path = tmp_path / "ranks.yaml"
-    path.write_text(json.dumps(spec))
     root = tmp_path / "runs"
-    proc = empo2(slurm, "sweep", path, "--launcher", "slurm", *JOBS, "launcher.cpus_per_task=2", f"run_root={root}",
-                 timeout=900)
-    trial = root / "ranks" / "trial-0000"
+    proc = empo2(slurm, "sweep", LAUNCHER_SWEEP, "--n-trials", 1, "--launcher", "slurm", *JOBS,
+                 "launcher.cpus_per_task=2", f"run_root={root}", timeout=900)
+    trial = root / "launchers_minisci" / "trial-0000"
     log = (trial / "worker.log").read_text(errors="replace")[-3000:] if (trial / "worker.log").is_file() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
-    study = optuna.load_study(study_name="ranks", storage=f"sqlite:///{root / 'optuna.db'}")
+    study = optuna.load_study(study_name="launchers_minisci", storage=f"sqlite:///{root / 'optuna.db'}")
     assert [t.state.name for t in study.trials] == ["COMPLETE"], proc.stdout + log
     assert_ranks_agree(trial)
 

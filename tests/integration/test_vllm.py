@@ -14,9 +14,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from empo2.config import AlgoConfig, ModelConfig, TrainerConfig, load_config
 from empo2.envs import get_catalogue, make_env
+from empo2.experiments import EXPERIMENTS_DIR
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
@@ -227,11 +229,11 @@ def assert_ranks_agree(run_dir: Path) -> None:
     assert r0["weights_sha256"] == r1["weights_sha256"] and r0["memory_records"] == r1["memory_records"]
 
 
-# `trainer=fsdp engine=vllm` on 2 CPU processes, one short iteration: the launcher tests' run (test_workflows.py and
-# test_cluster.py start it by a sweep and by SLURM)
-FSDP_VLLM = VLLM_RUN + ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true",
-                        "trainer.iterations=1", "rollout.tasks_per_batch=2", "rollout.group_size=2", "env.max_steps=3",
-                        "env.val_variations=1", "torch_threads=1"]
+# the launcher recipes' files (docs/real_models_and_gpus.md#launchers): `trainer=fsdp engine=vllm` on 2 CPU processes,
+# one short iteration; the sweep's overrides are the run every launcher test starts
+LAUNCHER_GRID = EXPERIMENTS_DIR / "launchers_minisci.yaml"
+LAUNCHER_SWEEP = EXPERIMENTS_DIR.parent / "sweeps" / "launchers_minisci.yaml"
+FSDP_VLLM = list(OmegaConf.load(LAUNCHER_SWEEP).overrides)
 
 
 @pytest.mark.slow
@@ -268,37 +270,29 @@ def test_a_sweep_of_fsdp_trials_with_vllm_completes_each_told_once_and_leaves_no
     import optuna
     from mlflow.tracking import MlflowClient
 
-    spec = {"study": "fsdp-vllm", "mlflow_experiment": "fsdp-vllm", "overrides": FSDP_VLLM, "metric": "rollout/return",
-            "n_trials": 2, "seed": 0, "pruner": {"type": "none"},
-            "space": {"algo.beta_start": {"type": "float", "low": 0.0, "high": 1.0}}}
-    path = tmp_path / "sweep.yaml"
-    path.write_text(json.dumps(spec))
     root = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "sweep", str(path), f"run_root={root}"],
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "sweep", str(LAUNCHER_SWEEP), f"run_root={root}"],
                           capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert processes_naming(str(root)) == []
-    study = optuna.load_study(study_name="fsdp-vllm", storage=f"sqlite:///{root / 'optuna.db'}")
+    study = optuna.load_study(study_name="launchers_minisci", storage=f"sqlite:///{root / 'optuna.db'}")
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], proc.stdout
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("fsdp-vllm").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("launchers-minisci").experiment_id])
     trials = sorted(r.data.tags["trial"] for r in runs if r.data.tags.get("mlflow.parentRunId"))
     assert trials == ["0", "1"]  # one run per trial, not per rank
     for number in (0, 1):
-        assert_ranks_agree(root / "fsdp-vllm" / f"trial-{number:04d}")
+        assert_ranks_agree(root / "launchers_minisci" / f"trial-{number:04d}")
 
 
 @pytest.mark.slow
 def test_a_local_grid_of_fsdp_runs_with_vllm_finishes_and_the_ranks_agree(tmp_path):
     """`empo2 grid` on this machine: its worker pool starts the run, Lightning's launcher the run's rank 1."""
-    path = tmp_path / "ranks.yaml"
-    path.write_text(json.dumps({"name": "ranks", "presets": ["grpo_minisci"]}))
-    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "grid", str(path), *FSDP_VLLM,
-                           "rollout.tips_in_history=true", f"run_root={tmp_path / 'runs'}"],
-                          capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "grid", str(LAUNCHER_GRID), "trainer.devices=2",
+                           f"run_root={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
-    run_dir = tmp_path / "runs" / "ranks" / "grpo_minisci-s0"
+    run_dir = tmp_path / "runs" / "launchers_minisci" / "grpo_minisci-s0"
     log = (run_dir / "worker.log").read_text(errors="replace")[-3000:] if (run_dir / "worker.log").is_file() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
     assert processes_naming(str(tmp_path)) == []
