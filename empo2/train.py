@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from empo2.errors import Interrupted
 from empo2.models import load_policy
 from empo2.runs import check_tracking, run_tags, tracking_uri
 from empo2.utils import atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
+
+RANK_EXIT_S = 300  # how long a run waits, after its fit, for the ranks its launcher started to exit
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -277,7 +280,13 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     if trainer.is_global_zero:
         atomic_write_json(summary["summary_path"], summary)
     # the ranks Lightning's own launcher started (none under torchrun or srun) are not waited for by Lightning: the
-    # run ends once they have, so a sweep's next trial or a reader of rank<r>.json never meets one still running
+    # run ends once they have, so a sweep's next trial or a reader of rank<r>.json never meets one still running;
+    # one that hangs after the fit (all it has left is writing its rank file and exiting) is stopped
     for proc in getattr(trainer.strategy.launcher, "procs", ()):
-        proc.wait()
+        try:
+            proc.wait(timeout=RANK_EXIT_S)
+        except subprocess.TimeoutExpired:
+            print(f"rank process {proc.pid} was still running {RANK_EXIT_S} s after the fit: stopped")
+            proc.kill()
+            proc.wait()
     return summary
