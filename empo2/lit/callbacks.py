@@ -124,9 +124,9 @@ class RolloutCallback(L.Callback):
                                   generator)
         self.collector.engine.sleep()  # vLLM with engine.sleep_mode frees its memory for the update
         maybe_fail("rollout", it)
-        if world > 1:
+        if world > 1 and self.collector.memory is not None:  # without memory (memory.enabled=false) no tips
             self._share_tips(batch.new_tips)
-            batch.stats["memory/size"] = float(len(self.collector.memory or []))
+            batch.stats["memory/size"] = float(len(self.collector.memory))
 
         if cfg.algo.update_policy:
             with full_params(trainer):
