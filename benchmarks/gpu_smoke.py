@@ -38,6 +38,9 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
                    (rollout/logprob_gap_*): the bfloat16 engine's gap is the larger; numbers reported
   engine_gap_train `empo2 train engine=vllm trainer.precision=bf16-mixed algo.tis_cap=2`: one iteration logs
                    rollout/logprob_gap_{mean,max,kl}
+  launcher_two_gpus   (2+ GPUs) the plain `empo2 train trainer=fsdp trainer.devices=2 engine=vllm`, no torchrun:
+                      Lightning's own launcher starts rank 1, each rank's vLLM engine on its own GPU; the ranks end
+                      with the same weights (rank<r>.json)
 Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
 """
 
@@ -475,6 +478,28 @@ def main() -> int:
         gap = {k: v for k, v in summary["history"][0].items() if k.startswith("rollout/logprob_gap_")}
         assert set(gap) == {f"rollout/logprob_gap_{k}" for k in ("mean", "max", "kl")}, summary["history"][0]
         return gap
+
+    # ------------------------------------------------------------------ launchers: every one starts multi-process vLLM
+    if torch.cuda.device_count() < 2:
+        RESULTS.append({"check": "launcher_two_gpus", "status": "SKIP", "reason": "fewer than 2 GPUs"})
+        print("[SKIP] launcher_two_gpus (fewer than 2 GPUs)")
+    else:
+        @check("launcher_two_gpus")
+        def _():
+            # what `empo2 train experiment=empo2_paper` does on a multi-GPU node (trainer=fsdp has devices: auto):
+            # Lightning's launcher sets no RANK for the rank it starts; the run exports it before the engine reads it
+            with tempfile.TemporaryDirectory() as root:
+                cmd = [sys.executable, "-m", "empo2.cli", "train", "trainer=fsdp", "trainer.devices=2",
+                       "trainer.iterations=1", "engine=vllm", "rollout.tasks_per_batch=2", "env.max_steps=4",
+                       "logger=none", f"run_root={root}"]
+                if args.model_path:
+                    cmd += ["model=hf", f"model.path={args.model_path}"]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                assert proc.returncode == 0, proc.stderr[-2000:]
+                ranks = [json.loads(p.read_text()) for p in sorted(Path(root).glob("*/rank*.json"))]
+            assert len(ranks) == 2, f"{len(ranks)} rank files"
+            assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"], "the ranks ended with other weights"
+            return {"ranks": len(ranks)}
 
     return report(args.out)
 

@@ -48,11 +48,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(OmegaConf.to_yaml(to_dict(cfg)), end="")
         return 0
     summary = _interruptible(lambda: train(cfg), cfg, args.overrides)
-    # one upload per run, not per rank (torchrun sets RANK; Lightning's own launcher LOCAL_RANK and NODE_RANK)
-    if all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK")):
-        from empo2.launch import log_run_files
+    # one upload and one report per run, not per rank: every process of a multi-process run has RANK by now,
+    # whatever started it (`export_ranks`)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    from empo2.launch import log_run_files
 
-        log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts
+    log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts
     print_report(summary)
     return 0
 

@@ -84,6 +84,9 @@ class WorkerPool:
         slot = min(set(range(self.workers)) - {j.slot for j in self.jobs})
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
         env.pop("EMPO2_RUN_NAME", None)  # set by a run for its own ranks; must not leak into the next run
+        # inside a SLURM job (a sweep worker job, an allocation) the run's ranks are its own launcher's to start:
+        # without the job's task count Lightning does not take the job's one task for the run's world
+        env.pop("SLURM_NTASKS", None)
         env.setdefault("OMP_NUM_THREADS", str(self.threads))  # N workers share the cores instead of each taking all
         if self.gpus[slot] is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot]

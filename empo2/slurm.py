@@ -2,12 +2,12 @@
 
 Each job runs the same `python -m empo2.cli ...` command a local worker would, from the submitting
 folder with the submitting environment (a shared file system and Python installation, as on any
-cluster). A job asks for `nodes` x `max(1, gpus_per_node)` tasks; srun starts the command once per task,
-and Lightning's SLURM cluster environment reads each process's rank from SLURM_PROCID, so a multi-GPU
-or multi-node run needs no torchrun. Preemption and the time limit send SIGUSR2 shortly before the
-kill: submitit then requeues the job (`--requeue`), and the same command with `resume=auto` continues
-from the run's last checkpoint. The job resources come from `launcher.KEY=VALUE` arguments, checked
-here and against the cluster (`sinfo`) before anything is submitted.
+cluster). A job asks for `nodes` x `tasks_per_node` tasks (one per GPU by default); srun starts the command
+once per task, and Lightning's SLURM cluster environment reads each process's rank from SLURM_PROCID, so a
+multi-GPU, multi-process or multi-node run needs no torchrun. Preemption and the time limit send SIGUSR2
+shortly before the kill: submitit then requeues the job (`--requeue`), and the same command with
+`resume=auto` continues from the run's last checkpoint. The job resources come from `launcher.KEY=VALUE`
+arguments, checked here and against the cluster (`sinfo`) before anything is submitted.
 """
 
 from __future__ import annotations
@@ -43,9 +43,15 @@ class SlurmConfig:
                                 "debug partition starts jobs sooner but caps `time`.", nullable=True)
     nodes: int = opt(1, "Nodes per job. More than 1 only for a multi-node DDP/FSDP run (sets trainer.num_nodes): "
                      "more throughput per run, but the job waits until that many nodes are free at once.", ge=1)
-    gpus_per_node: int = opt(0, "GPUs per node, one task (Lightning rank) per GPU started by srun (sets "
-                             "trainer.devices). 0: one CPU task per node. More GPUs shorten a run but queue longer "
-                             "and multiply what an idle rollout phase wastes.", ge=0)
+    gpus_per_node: int = opt(0, "GPUs per node (sbatch --gpus-per-node), one task (Lightning rank) per GPU "
+                             "unless `tasks_per_node` says otherwise. 0: a CPU job. More GPUs shorten a run but "
+                             "queue longer and multiply what an idle rollout phase wastes.", ge=0)
+    tasks_per_node: int | None = opt(None, "Tasks per node (sbatch --ntasks-per-node), each one Lightning rank "
+                                     "started by srun; sets trainer.devices. null: one per GPU (`gpus_per_node`), "
+                                     "or one on a CPU job. With GPUs it must equal `gpus_per_node` (a rank takes one "
+                                     "GPU); on CPUs (trainer.accelerator=cpu) it gives a data-parallel run several "
+                                     "ranks per node, each with its own engine and `cpus_per_task` cores.",
+                                     ge=1, nullable=True)
     cpus_per_task: int = opt(4, "CPU cores per task (also its OMP_NUM_THREADS): environments, tokenization and "
                              "data loading run here; cores a run does not use still count against the allocation.",
                              ge=1)
@@ -97,6 +103,9 @@ def load_slurm_config(overrides: list[str] | tuple = ()) -> SlurmConfig:
         raise ConfigError(f"{PREFIX}{key}: {str(e).splitlines()[0]}") from None
     for f in dataclasses.fields(cfg):
         _check_field(PREFIX + f.name, f, getattr(cfg, f.name))
+    if cfg.gpus_per_node and cfg.tasks_per_node not in (None, cfg.gpus_per_node):
+        raise ConfigError(f"{PREFIX}tasks_per_node={cfg.tasks_per_node} does not match {PREFIX}gpus_per_node="
+                          f"{cfg.gpus_per_node}: each task (rank) takes one GPU")
     for line in cfg.extra:
         text = str(line).removeprefix("#SBATCH").strip()
         if not text.startswith("--") or "\n" in text or len(text) < 3:
@@ -104,11 +113,16 @@ def load_slurm_config(overrides: list[str] | tuple = ()) -> SlurmConfig:
     return cfg
 
 
+def tasks_per_node(cfg: SlurmConfig) -> int:
+    """The ranks a job starts on each node: `tasks_per_node`, else one per GPU, else one."""
+    return cfg.tasks_per_node or max(1, cfg.gpus_per_node)
+
+
 def run_overrides(cfg: SlurmConfig) -> list[str]:
     """What a run must know of its job: the number of ranks per node and of nodes, when there is more than
     one rank (Lightning checks them against the job's tasks). A one-task job changes nothing, so its runs
     keep the config a local run has."""
-    tasks = max(1, cfg.gpus_per_node)
+    tasks = tasks_per_node(cfg)
     if tasks == 1 and cfg.nodes == 1:
         return []
     return [f"trainer.devices={tasks}", f"trainer.num_nodes={cfg.nodes}"]
@@ -214,19 +228,26 @@ def _environ(extra: dict):
                 os.environ[key] = value
 
 
-def submit(cfg: SlurmConfig, name: str, module: str, args: list[str], log: Path, folder: Path,
-           env: dict | None = None) -> str:
-    """Submit `python -m module args` as one job named `name`, with `env` added to its environment; submitit's
-    files go to `folder`. Returns the job id. `env` reaches the job the way the rest of the environment does,
-    through sbatch (stored by the controller), so a secret in it is on no command line, log or file in `folder`."""
-    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=cfg.max_requeues)
-    params = {"job_name": name, "nodes": cfg.nodes, "ntasks_per_node": max(1, cfg.gpus_per_node),
+def job_parameters(cfg: SlurmConfig, name: str, tasks: int | None = None) -> dict:
+    """submitit's SlurmExecutor parameters (its names for the sbatch options) of a job named `name`; `tasks` per
+    node: the config's (`tasks_per_node`) unless given."""
+    params = {"job_name": name, "nodes": cfg.nodes, "ntasks_per_node": tasks or tasks_per_node(cfg),
               "cpus_per_task": cfg.cpus_per_task, "time": cfg.time, "stderr_to_stdout": True,
               "additional_parameters": {"requeue": True, **_sbatch_options(cfg)}}
     params.update({k: v for k, v in (("partition", cfg.partition), ("account", cfg.account),
                                      ("gpus_per_node", cfg.gpus_per_node or None),
                                      ("mem", f"{cfg.mem_gb}G" if cfg.mem_gb else None)) if v is not None})
-    executor.update_parameters(**params)
+    return params
+
+
+def submit(cfg: SlurmConfig, name: str, module: str, args: list[str], log: Path, folder: Path,
+           env: dict | None = None, tasks: int | None = None) -> str:
+    """Submit `python -m module args` as one job named `name` (`tasks` per node, default the config's), with `env`
+    added to its environment; submitit's files go to `folder`. Returns the job id. `env` reaches the job the way
+    the rest of the environment does, through sbatch (stored by the controller), so a secret in it is on no command
+    line, log or file in `folder`."""
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=cfg.max_requeues)
+    executor.update_parameters(**job_parameters(cfg, name, tasks))
     try:
         # submitit prints sbatch's refusal; ours is one line
         with contextlib.redirect_stderr(io.StringIO()), _environ(env or {}):

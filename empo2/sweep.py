@@ -28,7 +28,15 @@ from pathlib import Path
 from empo2.config import ConfigError
 from empo2.launch import WorkerPool, hydra_quote, last_line
 from empo2.runs import check_tracking, tracking_uri
-from empo2.slurm import SlurmConfig, check_cluster, ended_jobs, load_slurm_config, split_overrides, submit
+from empo2.slurm import (
+    PREFIX,
+    SlurmConfig,
+    check_cluster,
+    ended_jobs,
+    load_slurm_config,
+    split_overrides,
+    submit,
+)
 from empo2.sweep_spec import Param, SweepSpec, load_sweep, make_pruner, make_sampler
 from empo2.sweep_storage import open_storage, shown_url, storage_lock
 
@@ -152,6 +160,11 @@ def run_sweep(path: str | Path, workers: int = 1, overrides: list[str] | tuple =
     if launcher == "slurm":
         ours, overrides = split_overrides(overrides)
         slurm = load_slurm_config(ours)
+        if slurm.nodes > 1 or slurm.tasks_per_node not in (None, 1):
+            key = "nodes" if slurm.nodes > 1 else "tasks_per_node"
+            raise ConfigError(f"{PREFIX}{key}={getattr(slurm, key)} is not allowed for a sweep: each worker job runs "
+                              "its trials on one node, their ranks started by trainer.devices (and its GPUs by "
+                              f"{PREFIX}gpus_per_node)")
         if workers < 1:
             raise ConfigError(f"--workers={workers} is out of range: expected >= 1")
     spec = load_sweep(path, overrides)
@@ -307,12 +320,14 @@ def _run_trials(study, storage, spec: SweepSpec, root: Path, workers: int, n_tri
 
 def _run_worker_jobs(slurm: SlurmConfig, spec: SweepSpec, root: Path, url: str, workers: int, args: list[str]) -> None:
     """`workers` SLURM jobs, each an `empo2 sweep` driver with one worker process on the same study (its storage
-    URL passed in the job's environment, never on its command line); returns when they have all ended."""
+    URL passed in the job's environment, never on its command line); returns when they have all ended. A job is
+    one task, the driver, whatever GPUs it holds: Lightning's own launcher starts a trial's ranks (trainer.devices)
+    inside it."""
     jobs = {}
     for i in range(workers):
         log = root / spec.study / f"worker-{i}.log"
         job_id = submit(slurm, f"{spec.study}/worker-{i}", "empo2.cli", args, log, root / spec.study / "slurm",
-                        env={STORAGE_ENV: url})
+                        env={STORAGE_ENV: url}, tasks=1)
         jobs[job_id] = (i, log)
         print(f"  worker {i}: SLURM job {job_id} (log {log})")
     for job_id, state in ended_jobs(list(jobs)):

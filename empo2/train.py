@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from empo2.errors import Interrupted
 from empo2.models import load_policy
 from empo2.runs import check_tracking, run_tags, tracking_uri
 from empo2.utils import PeakMemory, atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
+
+RANK_EXIT_S = 300  # how long a run waits, after its fit, for the ranks its launcher started to exit
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -49,14 +52,26 @@ def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     return None
 
 
+def started_ranks() -> int:
+    """How many processes of this run were started outside it, before the trainer exists: torchrun's WORLD_SIZE, or
+    the tasks of an srun, which Lightning takes as its ranks unless the job is interactive (named `bash` or
+    `interactive`, as Lightning's SLURMEnvironment tells). 1 where Lightning's own launcher will start the others
+    (they find the run folder in EMPO2_RUN_NAME)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
 def resume_run_name(cfg: TrainConfig) -> str | None:
     """The run folder name: `run_name`; with `resume=auto` and no name, the newest unfinished run under
     `run_root` (a checkpoint and no summary.json), so a bare `resume=auto` never silently starts over."""
     name = cfg.run_name or os.environ.get("EMPO2_RUN_NAME")
-    if not name and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # processes started by torchrun: each would name its own folder after its own clock
-        raise ConfigError("run_name is required when torchrun starts the processes: give run_name=NAME so every "
-                          "rank writes into the same run folder")
+    if not name and started_ranks() > 1:
+        # each process would name its own folder after its own clock
+        raise ConfigError("run_name is required when torchrun or srun starts the processes: give run_name=NAME so "
+                          "every rank writes into the same run folder")
     if name or cfg.resume != "auto":
         return name
     root = Path(cfg.run_root).expanduser()
@@ -290,4 +305,14 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
                "summary_path": str(run_dir / "summary.json")}
     if trainer.is_global_zero:
         atomic_write_json(summary["summary_path"], summary)
+    # the ranks Lightning's own launcher started (none under torchrun or srun) are not waited for by Lightning: the
+    # run ends once they have, so a sweep's next trial or a reader of rank<r>.json never meets one still running;
+    # one that hangs after the fit (all it has left is writing its rank file and exiting) is stopped
+    for proc in getattr(trainer.strategy.launcher, "procs", ()):
+        try:
+            proc.wait(timeout=RANK_EXIT_S)
+        except subprocess.TimeoutExpired:
+            print(f"rank process {proc.pid} was still running {RANK_EXIT_S} s after the fit: stopped")
+            proc.kill()
+            proc.wait()
     return summary

@@ -27,7 +27,7 @@ from empo2.envs import TaskSpec, get_catalogue
 from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.lit.progress import Phase, PhaseTimes
-from empo2.lit.strategy import unsharded
+from empo2.lit.strategy import export_ranks, unsharded
 from empo2.rollout.build import engine_for
 from empo2.rollout.collector import RolloutCollector
 from empo2.rollout.engines import full_named_tensors
@@ -88,6 +88,7 @@ class RolloutCallback(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         self.collector.rank = trainer.global_rank
+        export_ranks(trainer)  # before the engine: vLLM takes its rank from the environment
         if self.collector.engine is None:
             # Built here, once the strategy has opened the process group: under ddp/fsdp vLLM then joins it (an
             # engine per rank) rather than opening a one-process group of its own, which the strategy would then
@@ -129,9 +130,9 @@ class RolloutCallback(L.Callback):
                                   generator)
         self.collector.engine.sleep()  # vLLM with engine.sleep_mode frees its memory for the update
         maybe_fail("rollout", it)
-        if world > 1:
+        if world > 1 and self.collector.memory is not None:  # without memory (memory.enabled=false) no tips
             self._share_tips(batch.new_tips)
-            batch.stats["memory/size"] = float(len(self.collector.memory or []))
+            batch.stats["memory/size"] = float(len(self.collector.memory))
 
         t0 = time.perf_counter()
         if cfg.algo.update_policy:  # on the shards under FSDP, forwards padded to the busiest rank's

@@ -5,11 +5,14 @@ Under FSDP2 the module keeps its class and names; its parameters become DTensor 
 (one layer at a time) and reduce-scattered in backward. Checkpoints hold one full state dict, in the layout every
 other strategy writes (parameter names, optimizer state keyed by the optimizer's parameter order): a checkpoint moves
 between fsdp on any number of processes, ddp, a single process and `empo2 eval`.
+
+`export_ranks` writes a process's ranks into its environment the way torchrun would, for every launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +194,17 @@ def build_strategy(cfg: TrainConfig, model):
         return cfg.trainer.strategy
     decoder_layer_classes(hf_model(model))
     return FSDP2Strategy(mixed_precision=cfg.trainer.precision == "bf16-mixed")
+
+
+def export_ranks(trainer) -> None:
+    """This process's place in a multi-process run, in the variables a process torchrun starts has (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), taken from the trainer once its process group is up, whatever
+    started the process: Lightning's own launcher sets no RANK, and under srun Lightning reads SLURM_PROCID and
+    SLURM_LOCALID and sets none of the first three. vLLM's `external_launcher` executor reads RANK and LOCAL_RANK
+    (and would open its group from the others); the CLI reads RANK after the run. A one-process run sets nothing."""
+    if trainer.world_size == 1:
+        return
+    cluster = trainer.strategy.cluster_environment
+    os.environ.update(RANK=str(trainer.global_rank), LOCAL_RANK=str(trainer.local_rank),
+                      WORLD_SIZE=str(trainer.world_size), MASTER_ADDR=cluster.main_address,
+                      MASTER_PORT=str(cluster.main_port))

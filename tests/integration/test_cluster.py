@@ -5,6 +5,7 @@ processes, no mocks. docs/cluster.md shows the same commands."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from tests.integration.test_vllm import FSDP_VLLM, LAUNCHER_GRID, LAUNCHER_SWEEP, assert_ranks_agree
 from tests.services import free_port, postgres_bin, start_postgres
 from tests.slurm import JOBS, PARTITION, slurm_cluster, start_slurm  # noqa: F401 (the `slurm` fixture)
 
@@ -112,6 +114,53 @@ def test_two_sweep_workers_submitted_as_jobs_share_one_postgresql_study_and_fini
     # the storage URL reached the jobs in their environment: its password is in no file the jobs wrote
     assert not [p for p in root.rglob("*") if p.is_file() and pg.password.encode() in p.read_bytes()]
     assert (root / "jobs" / "best.yaml").is_file() and "best trial" in proc.stdout
+
+
+@pytest.mark.needs("vllm")
+def test_a_two_task_job_runs_fsdp_with_vllm_one_rank_per_task(slurm, tmp_path):
+    """`launcher.tasks_per_node=2` on a CPU node: one job of two tasks, srun starts the run in each and Lightning
+    takes the ranks from SLURM_PROCID (no RANK, no LOCAL_RANK, which vLLM's external launcher reads); both ranks'
+    engines start, the run finishes and the ranks agree. trainer.devices comes from the launcher."""
+    proc = empo2(slurm, "grid", LAUNCHER_GRID, "--launcher", "slurm", *JOBS, "launcher.tasks_per_node=2",
+                 f"run_root={tmp_path / 'runs'}", timeout=900)
+    run_dir = tmp_path / "runs" / "launchers_minisci" / "grpo_minisci-s0"
+    logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted(run_dir.glob("worker*.log")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    job = (run_dir / "slurm_job").read_text().strip()
+    for rank, log in ((0, "worker.log"), (1, "worker.rank1.log")):
+        assert f"# SLURM job {job}, rank {rank}" in (run_dir / log).read_text()
+    assert _summary(run_dir)["config"]["trainer"]["devices"] == 2
+    assert_ranks_agree(run_dir)
+
+
+@pytest.mark.needs("vllm")
+def test_plain_srun_starts_fsdp_with_vllm_one_rank_per_task(slurm, tmp_path):
+    """`srun empo2 train ...` in a two-task batch job, no submitit: srun starts both ranks, Lightning reads them from
+    SLURM_PROCID, both engines start; one report, and the ranks agree."""
+    cmd = shlex.join([sys.executable, "-m", "empo2.cli", "train", *FSDP_VLLM, "logger=none", f"run_root={tmp_path}",
+                      "run_name=srun-vllm"])
+    out = tmp_path / "job.out"
+    job = slurm.run("sbatch", "--parsable", "-p", PARTITION, "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                    f"--output={out}", f"--wrap=srun {cmd}").strip()
+    _wait_for(lambda: job not in slurm.queue(), "the job to end", timeout=600)
+    text = out.read_text(errors="replace")
+    assert text.count("== empo2 run finished ==") == 1, text[-4000:]
+    assert_ranks_agree(tmp_path / "srun-vllm")
+
+
+@pytest.mark.needs("vllm")
+def test_a_sweep_worker_job_starts_the_ranks_of_its_fsdp_trials_with_vllm(slurm, tmp_path):
+    """A sweep worker job is one task, its driver; Lightning's own launcher starts the trial's rank 1 inside it
+    (Lightning would otherwise take the job's one task for the trial's world and refuse trainer.devices=2)."""
+    root = tmp_path / "runs"
+    proc = empo2(slurm, "sweep", LAUNCHER_SWEEP, "--n-trials", 1, "--launcher", "slurm", *JOBS,
+                 "launcher.cpus_per_task=2", f"run_root={root}", timeout=900)
+    trial = root / "launchers_minisci" / "trial-0000"
+    log = (trial / "worker.log").read_text(errors="replace")[-3000:] if (trial / "worker.log").is_file() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + log
+    study = optuna.load_study(study_name="launchers_minisci", storage=f"sqlite:///{root / 'optuna.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"], proc.stdout + log
+    assert_ranks_agree(trial)
 
 
 def test_a_bad_partition_or_an_unreachable_controller_is_one_line_and_submits_nothing(slurm, tmp_path):

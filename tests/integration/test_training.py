@@ -283,16 +283,27 @@ def test_two_trainings_in_one_process_without_run_names_get_their_own_folders(tm
     assert "EMPO2_RUN_NAME" not in __import__("os").environ
 
 
-def test_processes_started_by_torchrun_need_a_run_name(monkeypatch):
-    """Without run_name each torchrun process would name its own run folder after its own clock."""
+def test_processes_started_by_torchrun_or_srun_need_a_run_name(monkeypatch):
+    """Without run_name each process torchrun or srun starts would name its own run folder after its own clock."""
     from empo2.config import ConfigError
     from empo2.train import resume_run_name
 
+    for var in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NAME", "EMPO2_RUN_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    for started in ({"WORLD_SIZE": "2"}, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "grid/run"}):
+        with monkeypatch.context() as m:
+            for var, value in started.items():
+                m.setenv(var, value)
+            with pytest.raises(ConfigError, match="run_name is required when torchrun or srun starts the processes"):
+                resume_run_name(load_config(FAST))
+            assert resume_run_name(load_config(FAST + ["run_name=r"])) == "r"
+    # an interactive allocation: Lightning ignores its tasks and starts the ranks itself; so does a one-task job
+    for ntasks, job in (("2", "interactive"), ("1", "grid/run")):
+        with monkeypatch.context() as m:
+            m.setenv("SLURM_NTASKS", ntasks)
+            m.setenv("SLURM_JOB_NAME", job)
+            assert resume_run_name(load_config(FAST + ["resume=never"])) is None
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("EMPO2_RUN_NAME", raising=False)
-    with pytest.raises(ConfigError, match="run_name is required when torchrun starts the processes"):
-        resume_run_name(load_config(FAST))
-    assert resume_run_name(load_config(FAST + ["run_name=r"])) == "r"
     monkeypatch.setenv("EMPO2_RUN_NAME", "spawned")  # Lightning's own DDP launcher hands its children the name
     assert resume_run_name(load_config(FAST)) == "spawned"
 

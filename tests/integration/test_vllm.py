@@ -14,11 +14,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from empo2.config import AlgoConfig, ModelConfig, TrainerConfig, load_config
 from empo2.core_algos import logprob_gap
 from empo2.envs import get_catalogue, make_env
 from empo2.errors import ConfigError
+from empo2.experiments import EXPERIMENTS_DIR
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
@@ -290,5 +292,80 @@ def test_fsdp_on_two_cpu_processes_gives_each_ranks_engine_the_full_weights(tmp_
         assert all(g["now"] <= TOL < 100 * TOL < g["before"] for g in gaps), gaps
         assert probed["sharded_at_generate"] and all(probed["sharded_at_generate"]), probed["sharded_at_generate"]
         assert probed["ref_sharded"] is True and probed["kl_ref_finite"], probed
-    r0, r1 = (json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert_ranks_agree(tmp_path / "fsdp")
+
+
+def assert_ranks_agree(run_dir: Path) -> None:
+    """The two ranks of a data-parallel run end with the same weights and the same tip memory (`rank<r>.json`)."""
+    r0, r1 = (json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["weights_sha256"] == r1["weights_sha256"] and r0["memory_records"] == r1["memory_records"]
+
+
+# the launcher recipes' files (docs/real_models_and_gpus.md#launchers): `trainer=fsdp engine=vllm` on 2 CPU processes,
+# one short iteration; the sweep's overrides are the run every launcher test starts
+LAUNCHER_GRID = EXPERIMENTS_DIR / "launchers_minisci.yaml"
+LAUNCHER_SWEEP = EXPERIMENTS_DIR.parent / "sweeps" / "launchers_minisci.yaml"
+FSDP_VLLM = list(OmegaConf.load(LAUNCHER_SWEEP).overrides)
+
+
+@pytest.mark.slow
+def test_fsdp_with_vllm_started_by_lightnings_own_launcher_runs_and_the_ranks_agree(tmp_path):
+    """The plain `empo2 train ... trainer=fsdp trainer.devices=2 engine=vllm`, no torchrun: Lightning's launcher starts
+    rank 1 without RANK, which vLLM's external launcher reads; the run finishes, with one report."""
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "train", *FSDP_VLLM, "logger=none",
+                           f"run_root={tmp_path}"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("== empo2 run finished ==") == 1, proc.stdout[-3000:]
+    (run_dir,) = [p.parent for p in tmp_path.glob("*/rank0.json")]  # no run_name: both ranks found one folder
+    assert_ranks_agree(run_dir)
+
+
+def processes_naming(text: str) -> list[str]:
+    """The command lines of the processes still running with `text` in them (a run root names every rank's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_sweep_of_fsdp_trials_with_vllm_completes_each_told_once_and_leaves_no_process(tmp_path):
+    """`empo2 sweep` whose trials are 2-process `trainer=fsdp engine=vllm` runs (Lightning's launcher starts each
+    trial's rank 1): both trials complete, rank 0 alone tells the study and MLflow of each, and when the driver
+    returns no rank of any trial is left running."""
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "sweep", str(LAUNCHER_SWEEP), f"run_root={root}"],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert processes_naming(str(root)) == []
+    study = optuna.load_study(study_name="launchers_minisci", storage=f"sqlite:///{root / 'optuna.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], proc.stdout
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("launchers-minisci").experiment_id])
+    trials = sorted(r.data.tags["trial"] for r in runs if r.data.tags.get("mlflow.parentRunId"))
+    assert trials == ["0", "1"]  # one run per trial, not per rank
+    for number in (0, 1):
+        assert_ranks_agree(root / "launchers_minisci" / f"trial-{number:04d}")
+
+
+@pytest.mark.slow
+def test_a_local_grid_of_fsdp_runs_with_vllm_finishes_and_the_ranks_agree(tmp_path):
+    """`empo2 grid` on this machine: its worker pool starts the run, Lightning's launcher the run's rank 1."""
+    proc = subprocess.run([sys.executable, "-m", "empo2.cli", "grid", str(LAUNCHER_GRID), "trainer.devices=2",
+                           f"run_root={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    run_dir = tmp_path / "runs" / "launchers_minisci" / "grpo_minisci-s0"
+    log = (run_dir / "worker.log").read_text(errors="replace")[-3000:] if (run_dir / "worker.log").is_file() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + log
+    assert processes_naming(str(tmp_path)) == []
+    assert_ranks_agree(run_dir)

@@ -8,7 +8,14 @@ import pytest
 
 from empo2.cli import main
 from empo2.config import ConfigError
-from empo2.slurm import SlurmConfig, _sbatch_options, load_slurm_config, run_overrides, split_overrides
+from empo2.slurm import (
+    SlurmConfig,
+    _sbatch_options,
+    job_parameters,
+    load_slurm_config,
+    run_overrides,
+    split_overrides,
+)
 
 
 def test_launcher_overrides_are_split_from_the_run_overrides_and_read():
@@ -25,6 +32,18 @@ def test_launcher_overrides_are_split_from_the_run_overrides_and_read():
 def test_a_one_task_job_leaves_the_run_config_as_a_local_run_has_it():
     assert run_overrides(load_slurm_config([])) == []
     assert run_overrides(load_slurm_config(["launcher.gpus_per_node=1"])) == []
+    assert job_parameters(load_slurm_config([]), "j")["ntasks_per_node"] == 1
+
+
+def test_tasks_per_node_asks_for_that_many_ranks_on_a_cpu_node_and_one_per_gpu_by_default():
+    cpu = load_slurm_config(["launcher.tasks_per_node=2"])
+    assert run_overrides(cpu) == ["trainer.devices=2", "trainer.num_nodes=1"]
+    params = job_parameters(cpu, "j")
+    assert params["ntasks_per_node"] == 2 and "gpus_per_node" not in params  # no gres on a CPU cluster
+    gpus = job_parameters(load_slurm_config(["launcher.gpus_per_node=4", "launcher.nodes=2"]), "j")
+    assert (gpus["ntasks_per_node"], gpus["gpus_per_node"], gpus["nodes"]) == (4, 4, 2)
+    assert job_parameters(load_slurm_config(["launcher.gpus_per_node=4", "launcher.tasks_per_node=4"]),
+                          "j")["ntasks_per_node"] == 4
 
 
 @pytest.mark.parametrize("override, message", [
@@ -35,10 +54,13 @@ def test_a_one_task_job_leaves_the_run_config_as_a_local_run_has_it():
     ("launcher.mem_gb=0", "launcher.mem_gb=0 is out of range"),
     ("launcher.partion=gpu", "launcher.partion: unknown key (the fields: launcher.partition, "),
     ("launcher.extra=[qos=high]", "launcher.extra='qos=high' is not allowed: expected `--key=value` or `--flag`"),
+    ("launcher.tasks_per_node=0", "launcher.tasks_per_node=0 is out of range: expected [1, inf)"),
+    ("launcher.gpus_per_node=4 launcher.tasks_per_node=2",
+     "launcher.tasks_per_node=2 does not match launcher.gpus_per_node=4: each task (rank) takes one GPU"),
 ])
 def test_bad_launcher_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError) as e:
-        load_slurm_config([override])
+        load_slurm_config(override.split())
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -51,3 +73,16 @@ def test_the_local_launcher_refuses_launcher_keys_and_every_field_is_documented(
     text = capsys.readouterr().out
     for f in dataclasses.fields(SlurmConfig):
         assert f"launcher.{f.name} = " in text and f.metadata["help"] in text
+
+
+def test_a_sweep_worker_job_is_one_task_and_more_is_refused(capsys, tmp_path):
+    """A sweep worker job runs one driver; its trials' ranks come from trainer.devices, started inside the job."""
+    gpus = job_parameters(load_slurm_config(["launcher.gpus_per_node=8"]), "w", tasks=1)
+    assert (gpus["ntasks_per_node"], gpus["gpus_per_node"]) == (1, 8)
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text('{"study": "s", "metric": "rollout/return", "space": {"algo.q": {"type": "float", "low": 0, '
+                     '"high": 1}}}')
+    for key in ("launcher.tasks_per_node=2", "launcher.nodes=2"):
+        assert main(["sweep", str(sweep), "--launcher", "slurm", key, "model=tiny"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"empo2 sweep: error: {key} is not allowed for a sweep") and "\n" not in err
