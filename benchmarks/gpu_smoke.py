@@ -357,7 +357,8 @@ def main() -> int:
     def tensor_parallel():
         with tempfile.TemporaryDirectory() as root:
             cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "-m", "empo2.cli", "train",
-                   "model=minisci_tips_signed", "engine=vllm", "engine.tensor_parallel_size=2", "trainer=fsdp",
+                   "model=minisci_tips_signed", "engine=vllm", "engine.tensor_parallel_size=2",
+                   "engine.max_model_len=4096", "trainer=fsdp",
                    "trainer.devices=2", "trainer.iterations=1", "rollout.tasks_per_batch=2", "rollout.group_size=2",
                    "env.max_steps=3", "env.val_variations=1", "logger=none", f"run_root={root}", "run_name=tp"]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

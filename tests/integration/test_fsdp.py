@@ -1,9 +1,13 @@
 """`trainer=fsdp` (FSDP2, `fully_shard`) on two CPU processes with gloo: the gathering around calls made outside a
 training step, agreement with DDP, the one-file checkpoint, resumes on two processes and on one, and `empo2 eval`.
 
-Tolerance: FSDP scores each micro-batch in one padded pass where DDP on a CPU runs length buckets, and sums the
-gradient norm over shards; both are float32 rounding. After 2 iterations (12 optimiser steps, lr 1e-3) the tiny
-model's weights differ from DDP's by at most 2.1e-6 (LoRA with gradient checkpointing: 1.3e-7), under ATOL.
+Tolerance: FSDP scores each micro-batch in one padded pass where DDP on a CPU runs length buckets, reduces
+gradients by reduce-scatter where DDP all-reduces, and sums the gradient norm over shards; all of it is float32
+rounding, which Adam amplifies where a gradient is near zero. After 2 iterations (12 optimiser steps at lr 1e-3,
+which move a weight by up to 1.2e-2) the tiny model's weights differ from DDP's by at most 1.3e-5, 2.7e-5 when
+the old log-probs come from the scoring pass, which FSDP runs on the shards. ATOL is 0.4% of the weights' travel:
+a wrong weighting of ranks shows far above it, and tests/integration/test_data_parallel.py checks the weighting
+itself on gradients, before any optimiser step.
 """
 
 import json
@@ -21,7 +25,7 @@ from tests.services import spawn_ranks
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"]
 # one torch thread per process: two processes share the two cores, and reruns must do identical float math
 RUN = FAST + ["torch_threads=1"]
-ATOL = 1e-5
+ATOL = 5e-5
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

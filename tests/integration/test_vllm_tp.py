@@ -26,10 +26,11 @@ SPLIT = 5  # rank 0 generates for prompts[:5], rank 1 for prompts[5:]: the group
 
 # the run: 2 gloo processes under FSDP, one TP=2 engine over both; actions, tips and validation generate
 TP_RUN = ["model=minisci_tips_signed", "engine=vllm", "engine.tensor_parallel_size=2", "engine.kv_cache_gib=0.25",
-          "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true",
+          "engine.max_model_len=4096", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+          "trainer.precision=32-true",
           "trainer.iterations=1", "rollout.tasks_per_batch=2", "rollout.group_size=2", "env.max_steps=3",
           "env.val_variations=1", "logger=none", "torch_threads=1"]
-CPU_VLLM = ["model=minisci_tips_signed", "engine=vllm", "trainer.accelerator=cpu"]
+CPU_VLLM = ["model=minisci_tips_signed", "engine=vllm", "engine.max_model_len=4096", "trainer.accelerator=cpu"]
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
