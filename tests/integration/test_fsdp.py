@@ -222,7 +222,11 @@ def test_fsdp_on_two_cpu_processes_matches_ddp_and_writes_one_full_checkpoint(tm
     assert max(_max_diff({k: oa[p][k] for k in ("exp_avg", "exp_avg_sq")},
                          {k: ob[p][k] for k in ("exp_avg", "exp_avg_sq")}) for p in oa) < ATOL
     assert a["global_step"] == b["global_step"] > 0
-    assert _history(ddp) == _history(fsdp)
+    gap = "rollout/logprob_gap_"  # logged where the scoring pass runs: float32 rounding of differently shaped passes
+    (ha, ga), (hb, gb) = ([[{k: v for k, v in h.items() if k.startswith(gap) == keep} for h in _history(run)]
+                           for keep in (False, True)] for run in (ddp, fsdp))
+    assert ha == hb
+    assert all(x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-5 for k in x) for x, y in zip(ga, gb))
     ranks = [json.loads((fsdp / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["memory_records"]
     assert json.loads((fsdp / "summary.json").read_text())["config"]["trainer"]["strategy"] == "fsdp"
