@@ -185,7 +185,8 @@ def test_a_bad_partition_or_an_unreachable_controller_is_one_line_and_submits_no
                            f"run_root={tmp_path}"], capture_output=True, text=True, env=env, timeout=300)
     assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
     assert gone.stderr.startswith("empo2 grid: error: --launcher slurm: the SLURM controller cannot be reached: ")
-    assert slurm.run("squeue", "-h", "-t", "all", "-o", "%i").split() == before
+    # no new job id: the controller may forget finished jobs meanwhile (MinJobAge), so only additions count
+    assert set(slurm.run("squeue", "-h", "-t", "all", "-o", "%i").split()) <= set(before)
     assert not (tmp_path / "bad").exists()  # no run folder either
 
 
