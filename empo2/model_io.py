@@ -7,9 +7,9 @@ local or built locally.
   GGUF (dequantising it) but such a model refuses `save_pretrained`, and reading it is slow, so the
   first load rebuilds the model from its config, copies the weights, and caches a plain safetensors
   checkpoint under `$EMPO2_CACHE/models/`, which later loads read.
-- `minisci-bc` and `minisci-tips`: small MiniSci policies built on first use by the priors (`empo2.prior`,
-  `empo2.prior_tips`) from the tokenizer and model builders here, and cached; `minisci-tips-reader` and
-  `minisci-tips-signed` ship prebuilt (`SHIPPED`).
+- `minisci-bc` and `minisci-tips`: small MiniSci policies that the recipe recipes/minisci_priors builds from the
+  tokenizer and model builders here into the cache (`recipe_prior`); `minisci-tips-reader` and `minisci-tips-signed`
+  ship prebuilt (`SHIPPED`).
 - `tiny`: a randomly initialised two-layer Qwen2-style model with a byte-level BPE tokenizer trained
   on a fixed text, both deterministic from a seed: the model every fast test uses.
 - `hf` and the Qwen2.5 presets: a local checkpoint directory, loaded offline.
@@ -202,10 +202,28 @@ def load_local(path: Path, dtype: torch.dtype):
     return model, tok
 
 
+# The priors the recipe builds on the user's machine rather than shipping (8 and 51 min on 2 cores, docs/priors.md),
+# each by the cache folder its default settings name (`<name>-<settings key>`, as the recipe writes it), so a build
+# made before the recipe left the package is found where it is. recipes/minisci_priors/tests hold these keys to the
+# recipe's settings.
+RECIPE_BUILT = {"minisci-bc": "minisci-bc-03fe0c537299", "minisci-tips": "minisci-tips-dc299da156f3"}
+RECIPE_BUILD = "python -m recipes.minisci_priors.prior_rounds build"  # + the prior's name, from the repository root
+
+
+def recipe_prior(name: str) -> Path | None:
+    """The folder of a prior the recipe builds (`RECIPE_BUILT`): the cache's, else a copy placed in `SHIPPED`, else
+    None (not built on this machine)."""
+    for path in (cache_root() / "models" / RECIPE_BUILT[name], SHIPPED / RECIPE_BUILT[name]):
+        if (path / "empo2_source.json").is_file():  # written last: its presence means a finished build
+            return path
+    return None
+
+
 def shipped_prior(name: str) -> Path:
     """A shipped prior's checkpoint: `minisci-tips-reader` (build 5 of minisci-tips after two rounds of DAgger for
     the tip reader) or `minisci-tips-signed` (build 7, signed tips, after the reader, signature-match and tip-writer
-    rounds). `python -m empo2.prior_rounds build NAME --out DIR` rebuilds either from the rounds it records."""
+    rounds). `python -m recipes.minisci_priors.prior_rounds build NAME --out DIR` rebuilds either from the rounds it
+    records."""
     return SHIPPED / name
 
 

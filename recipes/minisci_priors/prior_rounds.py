@@ -1,9 +1,9 @@
 """The rounds that make the shipped tip readers from `minisci-tips`: it plays its own episodes and learns from them.
 
-The scripted episodes of `empo2.prior_tips` teach the prior to write tips about *scripted* play, where what an
-episode did is also what its task and house predict (the prior-driven agent always takes the same look-alike), so
-a tip can be guessed without reading the episode. Its own episodes are not like that: it focuses on whichever
-look-alike it samples. `self_play_examples` gives tip-writing examples from episodes the prior plays itself,
+The scripted episodes of `recipes.minisci_priors.prior_tips` teach the prior to write tips about *scripted* play,
+where what an episode did is also what its task and house predict (the prior-driven agent always takes the same
+look-alike), so a tip can be guessed without reading the episode. Its own episodes are not like that: it focuses on
+whichever look-alike it samples. `self_play_examples` gives tip-writing examples from episodes the prior plays itself,
 labelled with what those episodes showed (DAgger for the tip writer); reports/minisci_priors reports what each
 kind of round changed.
 
@@ -11,8 +11,8 @@ Each round (`run_round`) plays the model through the real collector, labels what
 (DAgger for the tip writer: `self_play_examples`; for the reader: `reader_examples`; at the decision states where
 the gold path and the trapped one part: `decision_examples`, optionally with a signature-match head), and
 fine-tunes on those examples mixed with its stage-1 sequences. `SHIPPED` holds, for each shipped prior made this
-way, the stage-1 settings and the rounds its `empo2_source.json` records; `python -m empo2.prior_rounds NAME --out
-DIR` replays them from scratch.
+way, the stage-1 settings and the rounds its `empo2_source.json` records;
+`python -m recipes.minisci_priors.prior_rounds build NAME --out DIR` replays them from scratch.
 """
 
 from __future__ import annotations
@@ -37,10 +37,21 @@ from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty
 from empo2.memory import TipMemory
-from empo2.model_io import save_cached_checkpoint, shipped_prior
+from empo2.model_io import RECIPE_BUILD, save_cached_checkpoint, shipped_prior
 from empo2.model_presets import MINISCI_TIPS_LAYOUT
-from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET, behaviour_clone, dev_instances
-from empo2.prior_tips import (
+from empo2.rollout.build import build_collector, env_kwargs
+from empo2.rollout.engines.base import SamplingParams
+from empo2.utils import quiet_libraries
+from recipes.minisci_priors.prior import (
+    CONTEXT,
+    IGNORED,
+    SOFT,
+    TARGET,
+    behaviour_clone,
+    dev_instances,
+    ensure_minisci_bc,
+)
+from recipes.minisci_priors.prior_tips import (
     KINDS,
     SIGNATURE_HEAD,
     Episode,
@@ -53,9 +64,6 @@ from empo2.prior_tips import (
     scripted,
     tips_signed,
 )
-from empo2.rollout.build import build_collector, env_kwargs
-from empo2.rollout.engines.base import SamplingParams
-from empo2.utils import quiet_libraries
 
 IN_DISTRIBUTION = [f for f in FAMILIES if f not in OOD_FAMILIES]
 SELF_PLAY_CHUNK = 64  # instances played side by side (one generate call per step over all of them)
@@ -606,7 +614,7 @@ def _decode_with_ends(tok, ids: list[int]) -> tuple[str, list[int]]:
 
 
 # ------------------------------------------------------------------------------------- rounds and shipped builds
-ROUND_COMMAND = "python -m empo2.prior_rounds round"
+ROUND_COMMAND = "python -m recipes.minisci_priors.prior_rounds round"
 
 
 def round_parser() -> argparse.ArgumentParser:
@@ -784,6 +792,8 @@ def run_round(args: argparse.Namespace, log=print) -> Path:
 
 
 SHIPPED_BY_ROUNDS = ("minisci-tips-reader", "minisci-tips-signed")  # the shipped priors made by rounds
+# the priors built with their default settings into the cache, where `model=minisci_bc|minisci_tips` loads them
+STAGE_ONE = {"minisci-bc": ensure_minisci_bc, "minisci-tips": ensure_minisci_tips}
 
 
 def recorded_rounds(name: str) -> list[list[str]]:
@@ -830,10 +840,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["round"]:
         print(f"wrote {run_round(parse_round(argv[1:]))}")
+    elif argv[:1] == ["build"] and len(argv) == 2 and argv[1] in STAGE_ONE:
+        print(f"wrote {STAGE_ONE[argv[1]]()}")
     elif argv[:1] == ["build"] and len(argv) == 4 and argv[2] == "--out":
         print(f"wrote {build_shipped(argv[1], Path(argv[3]))}")
     else:
-        raise SystemExit(f"usage: python -m empo2.prior_rounds build {{{','.join(SHIPPED_BY_ROUNDS)}}} --out DIR\n"
+        raise SystemExit(f"usage: {RECIPE_BUILD} {{{','.join(STAGE_ONE)}}}   (into the cache `model=` loads from)\n"
+                         f"       {RECIPE_BUILD} {{{','.join(SHIPPED_BY_ROUNDS)}}} --out DIR\n"
                          f"       {ROUND_COMMAND} [options] --out DIR   (--help for the options)")
 
 

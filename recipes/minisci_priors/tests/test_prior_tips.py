@@ -21,8 +21,9 @@ from empo2.memory.tips import tip_request_message
 from empo2.model_io import build_bpe_tokenizer, checkpoint_folder, load_local, shipped_prior
 from empo2.model_presets import MINISCI_TIPS_LAYOUT
 from empo2.models import load_policy
-from empo2.prior import CONTEXT, IGNORED, SOFT, TARGET
-from empo2.prior_rounds import (
+from empo2.rollout.prompts import PromptBuilder
+from recipes.minisci_priors.prior import CONTEXT, IGNORED, SOFT, TARGET
+from recipes.minisci_priors.prior_rounds import (
     _own_play,
     action_log_probs,
     another_house,
@@ -44,7 +45,7 @@ from empo2.prior_rounds import (
     signature_match_logits,
     signature_match_loss,
 )
-from empo2.prior_tips import (
+from recipes.minisci_priors.prior_tips import (
     IRRELEVANT,
     LOCATED,
     MISLED,
@@ -62,7 +63,6 @@ from empo2.prior_tips import (
     tips_signed,
     training_sequences,
 )
-from empo2.rollout.prompts import PromptBuilder
 
 # the default vocabulary: with a smaller one, episodes overflow the prompt budget
 SMALL = TipPriorSettings(houses_per_variation=1, epochs=0.01, hidden_size=32, num_layers=1)
@@ -550,7 +550,7 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
     same tokens as SOFT targets carrying the tip-free prompt's next-token distribution at each."""
     import re
 
-    import empo2.prior_rounds as prior_rounds
+    import recipes.minisci_priors.prior_rounds as prior_rounds
 
     calls = []
 
@@ -638,7 +638,7 @@ def test_next_token_distributions_batched_match_one_by_one_and_a_full_forward(sm
 
 
 def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_ones(tmp_path, monkeypatch):
-    import empo2.prior as prior
+    import recipes.minisci_priors.prior as prior
 
     monkeypatch.setenv("EMPO2_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prior, "SHIPPED", tmp_path / "shipped")
@@ -689,7 +689,7 @@ def _decision_states(n_per_family: int = 6):
     import random
 
     from empo2.envs.minisci import OOD_FAMILIES
-    from empo2.prior import dev_instances
+    from recipes.minisci_priors.prior import dev_instances
 
     instances = [i for i in dev_instances(random.Random(0), 2) if i[0] not in OOD_FAMILIES]
     return decision_states([i for f in FAMILIES for i in [j for j in instances if j[0] == f][:n_per_family]])

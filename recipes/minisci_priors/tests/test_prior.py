@@ -9,7 +9,8 @@ import torch
 
 from empo2.envs.minisci import catalogue
 from empo2.model_io import build_bpe_tokenizer, build_tiny_model, load_local
-from empo2.prior import (
+from empo2.rollout.prompts import PromptBuilder
+from recipes.minisci_priors.prior import (
     CONTEXT,
     IGNORED,
     SOFT,
@@ -22,7 +23,6 @@ from empo2.prior import (
     ensure_minisci_bc,
     gold_episodes,
 )
-from empo2.rollout.prompts import PromptBuilder
 
 SMALL = BCSettings(houses_per_variation=1, epochs=0.02, hidden_size=32, num_layers=1, vocab_size=300)
 
@@ -36,7 +36,7 @@ def test_demonstrations_come_from_dev_variations_only(episodes):
     import random
 
     from empo2.envs import make_env
-    from empo2.prior import _houses
+    from recipes.minisci_priors.prior import _houses
 
     cat = catalogue()
     dev = [(task, v) for task in cat.tasks() for v in cat.split(task, "dev")]
@@ -195,7 +195,7 @@ def test_the_clone_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatch
 def test_length_bucketed_passes_visit_every_example_once_with_less_padding():
     import random
 
-    from empo2.prior import _epoch_order
+    from recipes.minisci_priors.prior import _epoch_order
 
     lengths = [random.Random(i).randint(10, 900) for i in range(500)]
     plain = _epoch_order(random.Random(0), lengths, 32, by_length=False)

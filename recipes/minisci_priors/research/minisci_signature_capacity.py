@@ -11,7 +11,8 @@ fresh model of each size (`models.build_tiny_model`, the labeller's tokenizer) i
 held-out house draws. A size that reads the signature opens a gap between the two; one that cannot fits about the
 mean of the two labels under both.
 
-    python research/minisci_signature_capacity.py --labeller outputs/priors/reader-v7 --sizes 4x128 4x256 \\
+    python -m recipes.minisci_priors.research.minisci_signature_capacity --labeller outputs/priors/reader-v7 \\
+        --sizes 4x128 4x256 \\
         --out reports/minisci_priors/signature_capacity.json
 """
 
@@ -22,12 +23,9 @@ import dataclasses
 import json
 import platform
 import random
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from empo2.utils import quiet_libraries  # noqa: E402
 
@@ -36,9 +34,9 @@ quiet_libraries()
 from empo2.config import ConfigError, load_config  # noqa: E402
 from empo2.model_io import build_tiny_model  # noqa: E402
 from empo2.models import load_policy  # noqa: E402
-from empo2.prior import behaviour_clone, dev_instances  # noqa: E402
-from empo2.prior_rounds import decision_examples, decision_shift, decision_states  # noqa: E402
-from empo2.prior_tips import TipPriorSettings  # noqa: E402
+from recipes.minisci_priors.prior import behaviour_clone, dev_instances  # noqa: E402
+from recipes.minisci_priors.prior_rounds import decision_examples, decision_shift, decision_states  # noqa: E402
+from recipes.minisci_priors.prior_tips import TipPriorSettings  # noqa: E402
 
 FAMILY = "find-living-thing"
 

@@ -8,11 +8,12 @@ depends on that thing: the same sought thing (it could be
 true, in another room), this house's look-alike (it points at the trap), a thing of the category the task asks
 for (an animal for "find an animal": plausible, this house may hold it), or a thing of another category (a plant
 for "find an animal": it cannot apply). A policy that reads what a tip says should be moved by the first three
-and not by the last. Reads calibration records (`benchmarks/minisci_calibration.py --memory`), rebuilds their
-instances from the recorded arguments and prints, per kind, the mean scores with paired 95% bootstrap intervals
+and not by the last. Reads calibration records (`recipes/minisci_priors/minisci_calibration.py --memory`), rebuilds
+their instances from the recorded arguments and prints, per kind, the mean scores with paired 95% bootstrap intervals
 of the change. Nothing is played.
 
-    python research/minisci_tips_other_house.py reports/minisci_priors/calibration_reader_v6_top1_score.json ...
+    python -m recipes.minisci_priors.research.minisci_tips_other_house \\
+        reports/minisci_priors/calibration_reader_v6_top1_score.json ...
 """
 
 from __future__ import annotations

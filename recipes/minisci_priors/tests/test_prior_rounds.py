@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from empo2.model_io import shipped_prior
-from empo2.prior_rounds import SHIPPED_BY_ROUNDS, parse_round, planned_rounds, recorded_rounds
+from empo2.model_io import RECIPE_BUILT, shipped_prior
+from recipes.minisci_priors.prior import BCSettings, cache_dir
+from recipes.minisci_priors.prior_rounds import (
+    SHIPPED_BY_ROUNDS,
+    STAGE_ONE,
+    parse_round,
+    planned_rounds,
+    recorded_rounds,
+)
+from recipes.minisci_priors.prior_tips import TipPriorSettings
 
 
 def test_the_signed_prior_replays_its_four_recorded_rounds_each_starting_where_the_last_wrote(tmp_path):
@@ -61,3 +69,10 @@ def test_a_round_that_cannot_run_is_refused_in_one_line_before_any_work(argv, me
     with pytest.raises(SystemExit) as e:
         parse_round([*argv, "--out", "x"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_loader_looks_for_the_stage_one_priors_where_the_recipe_builds_them():
+    # `model=minisci_bc|minisci_tips` load from the cache folder the recipe's default settings name
+    assert RECIPE_BUILT == {"minisci-bc": cache_dir(BCSettings()).name,
+                            "minisci-tips": cache_dir(TipPriorSettings(), "minisci-tips").name}
+    assert set(STAGE_ONE) == set(RECIPE_BUILT)

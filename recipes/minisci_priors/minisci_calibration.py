@@ -11,7 +11,7 @@ episodes that end on a wrong `focus on`, and, the number that decides whether gr
 can learn at all, the share of groups whose rollouts do not all score the same (a group with equal
 returns has zero advantage everywhere and teaches nothing). Prints a table and writes JSON.
 
-    python benchmarks/minisci_calibration.py [--model smollm2|minisci_bc] [--groups 4] [--group-size 4]
+    python -m recipes.minisci_priors.minisci_calibration [--model smollm2|minisci_bc] [--groups 4] [--group-size 4]
         [--max-steps 8] [--settings "" "num_rooms=4,num_decoys=1"] [--families find-living-thing]
 
 With `--memory` it measures instead whether the policy's memory abilities are live (no weight update), per
@@ -19,8 +19,8 @@ family on training variations: `--groups` instances played `--rounds` times one 
 round retrieving (p = 1) only the tips the policy itself wrote after the earlier rounds of the same
 instance; round 0 has an empty memory, so it is the tip-free score. Also the share of its own tips that
 state a task-relevant thing's true room (and claim no false one), the share that are exactly the hindsight tip
-its episode supports (`empo2.prior_tips.hindsight_tip` of its actions replayed: what it saw where, the focus that
-failed, the score), and the score when the memory holds only irrelevant tips (those it wrote for the next
+its episode supports (`recipes.minisci_priors.prior_tips.hindsight_tip` of its actions replayed: what it saw where,
+the focus that failed, the score), and the score when the memory holds only irrelevant tips (those it wrote for the next
 instance of the family), and, to tell reading tips from writing them, the score with one scripted episode's
 hindsight tip per instance instead of its own: the gold path's (true, locating what the task needs), a trapped
 prior-driven episode's (which look-alike failed), and, to tell what a tip says from that a tip is there, the gold
@@ -31,13 +31,13 @@ instance's signature, and the irrelevant tips' change apart from the instances w
 their own signature (a slip of the writer, or a task with the same signature: no reader can tell those apart),
 and the next instance's tips' changes apart from the instances whose next instance's task has their signature.
 
-    python benchmarks/minisci_calibration.py --model minisci_tips --memory --groups 24 --rounds 5
+    python -m recipes.minisci_priors.minisci_calibration --model minisci_tips --memory --groups 24 --rounds 5
 
 With a tip-free score of a few points, 10% of it is a fraction of one episode's score over a few dozen instances;
 `--pool` joins the records of runs with other `--seed` values (other instances) and gives the verdicts over all
 of them:
 
-    python benchmarks/minisci_calibration.py --pool RUN_SEED0.json RUN_SEED1.json ... --out POOLED.json
+    python -m recipes.minisci_priors.minisci_calibration --pool RUN_SEED0.json RUN_SEED1.json ... --out POOLED.json
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ from empo2.envs.minisci.layout import Difficulty
 from empo2.memory import TipMemory
 from empo2.model_io import checkpoint_folder
 from empo2.models import load_policy
-from empo2.prior_rounds import replay
-from empo2.prior_tips import SIGNATURE_HEAD, hindsight_tip, play, scripted, tips_signed
 from empo2.rollout.build import build_collector, env_kwargs
 from empo2.stats import bootstrap_ci
+from recipes.minisci_priors.prior_rounds import replay
+from recipes.minisci_priors.prior_tips import SIGNATURE_HEAD, hindsight_tip, play, scripted, tips_signed
 
 
 def parse_setting(text: str) -> list[str]:

@@ -4,13 +4,13 @@ Continues training the cached prior on its own training sequences with only the 
 (the actions become context, still predicted with weight `lm_weight`), for `--steps` more steps, and writes the
 result as a project checkpoint that the calibration loads with
 
-    python research/minisci_calibration.py --model minisci_tips --memory \\
+    python -m recipes.minisci_priors.research.minisci_calibration --model minisci_tips --memory \\
         --override model.name=hf model.path=OUT model.dtype=float32 ...
 
 If the share of true tips and the memory-only curve rise well above the prior's, tip writing was short of
 training; if not, the tips it writes at run time fail for another reason (episodes unlike the scripted ones).
 
-    python research/minisci_tips_tip_probe.py --steps 300 --out /tmp/minisci-tips-tip-probe
+    python -m recipes.minisci_priors.research.minisci_tips_tip_probe --steps 300 --out /tmp/minisci-tips-tip-probe
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 from empo2.model_io import save_cached_checkpoint
 from empo2.model_presets import MINISCI_TIPS_LAYOUT
-from empo2.prior import CONTEXT, TARGET, behaviour_clone
-from empo2.prior_tips import TipPriorSettings, cached_prior
+from recipes.minisci_priors.prior import CONTEXT, TARGET, behaviour_clone
+from recipes.minisci_priors.prior_tips import TipPriorSettings, cached_prior
 
 
 def tip_only(kinds: list[int]) -> list[int]:

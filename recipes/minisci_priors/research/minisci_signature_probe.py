@@ -17,11 +17,14 @@ with another house's signature; only the signature differs):
 3. whether the match, once told, moves the labeller's actions with no action trained (`decision_shift` on the
    held-out states before and after). `--save` keeps each told model and its head for later probes.
 
-    python research/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes 4x128 --steps 4000 \\
+    python -m recipes.minisci_priors.research.minisci_signature_probe --labeller outputs/priors/reader-v7 \\
+        --sizes 4x128 --steps 4000 \\
         --out reports/minisci_priors/signature_probe.json
-    python research/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 12000 \\
+    python -m recipes.minisci_priors.research.minisci_signature_probe --labeller outputs/priors/reader-v7 \\
+        --sizes --steps 12000 \\
         --every 1000 --out reports/minisci_priors/signature_probe_long.json   # the turn comes after ~7,000 steps
-    python research/minisci_signature_probe.py --labeller outputs/priors/reader-v7 --sizes --steps 10000 \\
+    python -m recipes.minisci_priors.research.minisci_signature_probe --labeller outputs/priors/reader-v7 \\
+        --sizes --steps 10000 \\
         --every 1000 --save outputs/priors/told-v7 --out reports/minisci_priors/signature_probe_told.json
 """
 
@@ -31,30 +34,26 @@ import argparse
 import copy
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from empo2.utils import quiet_libraries  # noqa: E402
 
 quiet_libraries()
 
-from minisci_signature_capacity import labeller_and_states, size  # noqa: E402
-
 from empo2.model_io import build_tiny_model, save_cached_checkpoint  # noqa: E402
 from empo2.model_presets import MINISCI_TIPS_LAYOUT  # noqa: E402
-from empo2.prior_rounds import (  # noqa: E402
+from recipes.minisci_priors.prior_rounds import (  # noqa: E402
     decision_shift,
     signature_match_accuracy,
     signature_match_batches,
     signature_match_examples,
     signature_match_loss,
 )
+from recipes.minisci_priors.research.minisci_signature_capacity import labeller_and_states, size  # noqa: E402
 
 BATCH = 8
 

@@ -1,6 +1,6 @@
 """`minisci-tips`: a CPU policy with the three abilities EMPO²'s memory relies on in an instruct LLM.
 
-`minisci-bc` (empo2/prior.py) only acts; it never saw a tip and never learned to write one, so with it
+`minisci-bc` (recipes/minisci_priors/prior.py) only acts; it never saw a tip and never learned to write one, so with it
 the memory half of EMPO² is inert. This preset is the same 0.7M-parameter model trained, on MiniSci
 *dev* variations only (never the variations RL trains, validates or tests on), with the collector's own
 `PromptBuilder`, to
@@ -47,7 +47,7 @@ from empo2.envs.minisci.layout import HUB, Difficulty, Planner
 from empo2.memory.tips import TIP_HEADER, tip_request_message
 from empo2.model_io import build_bpe_tokenizer, build_tiny_model, load_local
 from empo2.model_presets import MINISCI_TIPS_LAYOUT
-from empo2.prior import (
+from recipes.minisci_priors.prior import (
     CONTEXT,
     TARGET,
     BCSettings,

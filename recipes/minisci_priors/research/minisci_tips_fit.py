@@ -7,7 +7,7 @@ actions / tips greedy decoding (teacher-forced) reproduces exactly. An ability w
 high was not learned, whatever the calibration shows; actions under tips fitting as well as tip-free ones
 while they differ means the tips in the prompt are read.
 
-    python research/minisci_tips_fit.py
+    python -m recipes.minisci_priors.research.minisci_tips_fit
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import statistics
 import torch
 
 from empo2.model_io import load_local
-from empo2.prior import TARGET, _batch, ready_path
-from empo2.prior_tips import KINDS, TipPriorSettings, dev_episodes, prompt_builder, training_sequences
+from recipes.minisci_priors.prior import TARGET, _batch, ready_path
+from recipes.minisci_priors.prior_tips import KINDS, TipPriorSettings, dev_episodes, prompt_builder, training_sequences
 
 
 def spans(kinds: list[int]) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ trapped prior-driven path part (`prior_tips.decision_states`), the probability o
 tip-free, under its own gold tip, under another house's, and (signed priors) under its own gold tip re-signed with
 that house's signature, word for word its own tip but about another instance (`prior_tips.decision_shift`).
 
-    python research/minisci_tip_sensitivity.py --models shipped= v7=outputs/priors/reader-v7 \\
+    python -m recipes.minisci_priors.research.minisci_tip_sensitivity --models shipped= v7=outputs/priors/reader-v7 \\
         --out reports/minisci_priors/tip_sensitivity.json      (~1 min per model on 2 cores)
 
 A model is LABEL=PATH: a checkpoint folder (a build's cache, a probe's --out), or an empty PATH for the shipped
@@ -29,20 +29,17 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the calibration's tip makers
-from minisci_calibration import parse_setting, scripted_episode_tip, tip_donors  # noqa: E402
-
 from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.models import load_policy
-from empo2.prior_rounds import action_log_probs, decision_shift, decision_states
-from empo2.prior_tips import tips_signed
 from empo2.rollout.build import build_collector, env_kwargs
+from recipes.minisci_priors.minisci_calibration import parse_setting, scripted_episode_tip, tip_donors
+from recipes.minisci_priors.prior_rounds import action_log_probs, decision_shift, decision_states
+from recipes.minisci_priors.prior_tips import tips_signed
 
 KINDS = ("gold", "trapped", "other_house", "other_task")
 

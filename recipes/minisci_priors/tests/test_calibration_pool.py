@@ -1,4 +1,4 @@
-"""The calibration's pooled verdicts (benchmarks/minisci_calibration.py --pool): runs of other seeds joined
+"""The calibration's pooled verdicts (recipes/minisci_priors/minisci_calibration.py --pool): runs of other seeds joined
 instance by instance, so that pooling adds instances and changes nothing else."""
 
 import importlib.util
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "minisci_calibration", Path(__file__).parents[2] / "benchmarks" / "minisci_calibration.py")
+    "minisci_calibration", Path(__file__).parents[1] / "minisci_calibration.py")
 calibration = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(calibration)
 
