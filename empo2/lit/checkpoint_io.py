@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from empo2.faults import maybe_fail
 from empo2.lit.progress import PhaseTimes
 from empo2.utils import fsync_path, uninterrupted
+from empo2.utils.faults import maybe_fail
 
 TMP_SUFFIX = ".tmp"
 LAST = "last.ckpt"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from empo2.prefix_cache import PrefixCaches, cheapest_runs
+from empo2.models.prefix_cache import PrefixCaches, cheapest_runs
 
 
 def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list | None = None) -> torch.Tensor:

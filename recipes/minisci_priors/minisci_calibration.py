@@ -54,16 +54,16 @@ import numpy as np
 import torch
 from scipy.stats import binomtest
 
+from empo2.algo.stats import bootstrap_ci
 from empo2.config import MINISCI_HOUSE_FIELDS, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.envs.minisci import FAMILIES
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty
 from empo2.memory import TipMemory
-from empo2.model_io import checkpoint_folder
 from empo2.models import load_policy
+from empo2.models.io import checkpoint_folder
 from empo2.rollout.build import build_collector, env_kwargs
-from empo2.stats import bootstrap_ci
 from recipes.minisci_priors.prior_rounds import replay
 from recipes.minisci_priors.prior_tips import SIGNATURE_HEAD, hindsight_tip, play, scripted, tips_signed
 

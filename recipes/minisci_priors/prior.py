@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.model_io import SHIPPED, build_bpe_tokenizer, build_tiny_model, save_cached_checkpoint
+from empo2.models.io import SHIPPED, build_bpe_tokenizer, build_tiny_model, save_cached_checkpoint
 from empo2.utils import cache_root
 
 # Kept in step with PromptBuilder's settings in conf/rollout/default.yaml (max_prompt_tokens, history_turns), so

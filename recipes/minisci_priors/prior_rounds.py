@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 
 from empo2.config import load_config
+from empo2.config.presets import MINISCI_TIPS_LAYOUT
 from empo2.envs import make_env
 from empo2.envs.base import TaskSpec
 from empo2.envs.minisci import FAMILIES, OOD_FAMILIES
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty
 from empo2.memory import TipMemory
-from empo2.model_io import RECIPE_BUILD, save_cached_checkpoint, shipped_prior
-from empo2.model_presets import MINISCI_TIPS_LAYOUT
+from empo2.models.io import RECIPE_BUILD, save_cached_checkpoint, shipped_prior
 from empo2.rollout.build import build_collector, env_kwargs
 from empo2.rollout.engines.base import SamplingParams
 from empo2.utils import quiet_libraries

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
+from empo2.config.presets import MINISCI_TIPS_LAYOUT
 from empo2.envs import make_env
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import HUB, Difficulty, Planner
 from empo2.memory.tips import TIP_HEADER, tip_request_message
-from empo2.model_io import build_bpe_tokenizer, build_tiny_model, load_local
-from empo2.model_presets import MINISCI_TIPS_LAYOUT
+from empo2.models.io import build_bpe_tokenizer, build_tiny_model, load_local
 from recipes.minisci_priors.prior import (
     CONTEXT,
     TARGET,
@@ -61,7 +61,7 @@ from recipes.minisci_priors.prior import (
 TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED = "tip_free", "located", "search", "irrelevant", "misled"
 OTHER_VARIATION, OTHER_HOUSE = "other_variation", "other_house"
 KINDS = (TIP_FREE, LOCATED, SEARCH, IRRELEVANT, MISLED, OTHER_VARIATION, OTHER_HOUSE)
-# The prompt layout the prior is trained on, and so runs with (`empo2.model_presets.MINISCI_TIPS_LAYOUT`, recorded in
+# The prompt layout the prior is trained on, and so runs with (`empo2.config.presets.MINISCI_TIPS_LAYOUT`, recorded in
 # every checkpoint built from it; conf/rollout/whole_chat.yaml, which `model=minisci_tips` selects): the whole
 # chat, each turn keeping the tips its prompt carried (the released code's layout), within one budget that
 # holds a 10-step episode with tips.

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from empo2.config import load_config
-from empo2.train import train
+from empo2.workflows.train import train
 
 PRESERVED = Path(__file__).resolve().parents[1] / "data" / "preserved"
 

@@ -120,7 +120,7 @@ def test_minisci_tips_runs_only_on_the_prompt_layout_it_was_trained_on():
 def test_a_checkpoint_that_records_its_prompt_layout_is_held_to_it(tmp_path):
     """A fine-tuned copy of minisci-tips loaded as `model.name=hf` keeps the layout it was trained on, even under
     a preset that sets another (the paper's): the layout comes from the checkpoint's own marker."""
-    from empo2.model_presets import MINISCI_TIPS_LAYOUT
+    from empo2.config.presets import MINISCI_TIPS_LAYOUT
 
     (tmp_path / "empo2_source.json").write_text(json.dumps({"prompt_layout": MINISCI_TIPS_LAYOUT}))
     hf = ["model.name=hf", f"model.path={tmp_path}", "rollout=whole_chat"]

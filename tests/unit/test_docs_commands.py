@@ -171,7 +171,7 @@ def check_empo2(argv: list[str]) -> None:
     if args.command == "train":
         load_config(args.overrides)
     elif args.command in ("eval", "adapt"):
-        from empo2.evaluate import ADAPT_OPTIONS, EVAL_OPTIONS, int_option, parse_kv
+        from empo2.workflows.evaluate import ADAPT_OPTIONS, EVAL_OPTIONS, int_option, parse_kv
 
         opts, overrides = parse_kv(args.rest, EVAL_OPTIONS if args.command == "eval" else ADAPT_OPTIONS)
         for key in ("variations", "rollouts", "trials"):
@@ -180,10 +180,10 @@ def check_empo2(argv: list[str]) -> None:
             raise ConfigError(f"memory={opts['memory']}: expected on, off or both")
         load_config(overrides)
     elif args.command in ("grid", "sweep"):
-        from empo2.experiments import read_yaml
-        from empo2.grid import parse_seeds, plan_grid
-        from empo2.slurm import load_slurm_config, run_overrides, split_overrides
-        from empo2.sweep_spec import load_sweep
+        from empo2.config.experiments import read_yaml
+        from empo2.workflows.grid import parse_seeds, plan_grid
+        from empo2.workflows.slurm import load_slurm_config, run_overrides, split_overrides
+        from empo2.workflows.sweep_spec import load_sweep
 
         ours, overrides = split_overrides(args.overrides) if args.launcher == "slurm" else ([], args.overrides)
         overrides += run_overrides(load_slurm_config(ours))
@@ -194,7 +194,7 @@ def check_empo2(argv: list[str]) -> None:
                             "--seeds")
         plan_grid(args.file, seeds=seeds[:1], overrides=overrides)  # seeds only change `seed=`
     elif args.command == "config":
-        from empo2.slurm import describe_launcher
+        from empo2.workflows.slurm import describe_launcher
 
         describe_launcher() if args.section == "launcher" else describe(args.section)
 

@@ -32,8 +32,8 @@ from empo2.utils import quiet_libraries  # noqa: E402
 quiet_libraries()
 
 from empo2.config import ConfigError, load_config  # noqa: E402
-from empo2.model_io import build_tiny_model  # noqa: E402
 from empo2.models import load_policy  # noqa: E402
+from empo2.models.io import build_tiny_model  # noqa: E402
 from recipes.minisci_priors.prior import behaviour_clone, dev_instances  # noqa: E402
 from recipes.minisci_priors.prior_rounds import decision_examples, decision_shift, decision_states  # noqa: E402
 from recipes.minisci_priors.prior_tips import TipPriorSettings  # noqa: E402

@@ -44,8 +44,8 @@ from empo2.utils import quiet_libraries  # noqa: E402
 
 quiet_libraries()
 
-from empo2.model_io import build_tiny_model, save_cached_checkpoint  # noqa: E402
-from empo2.model_presets import MINISCI_TIPS_LAYOUT  # noqa: E402
+from empo2.config.presets import MINISCI_TIPS_LAYOUT  # noqa: E402
+from empo2.models.io import build_tiny_model, save_cached_checkpoint  # noqa: E402
 from recipes.minisci_priors.prior_rounds import (  # noqa: E402
     decision_shift,
     signature_match_accuracy,

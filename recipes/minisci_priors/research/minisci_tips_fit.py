@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from empo2.model_io import load_local
+from empo2.models.io import load_local
 from recipes.minisci_priors.prior import TARGET, _batch, ready_path
 from recipes.minisci_priors.prior_tips import KINDS, TipPriorSettings, dev_episodes, prompt_builder, training_sequences
 

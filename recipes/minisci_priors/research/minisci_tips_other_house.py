@@ -23,10 +23,10 @@ import json
 
 import numpy as np
 
+from empo2.algo.stats import bootstrap_ci
 from empo2.envs import get_catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty
-from empo2.stats import bootstrap_ci
 
 FAMILY = "find-living-thing"
 KINDS = ("the same sought thing", "this house's look-alike", "a thing of the task's category",

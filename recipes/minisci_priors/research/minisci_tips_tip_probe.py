@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from empo2.model_io import save_cached_checkpoint
-from empo2.model_presets import MINISCI_TIPS_LAYOUT
+from empo2.config.presets import MINISCI_TIPS_LAYOUT
+from empo2.models.io import save_cached_checkpoint
 from recipes.minisci_priors.prior import CONTEXT, TARGET, behaviour_clone
 from recipes.minisci_priors.prior_tips import TipPriorSettings, cached_prior
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from empo2.envs.minisci import catalogue
-from empo2.model_io import build_bpe_tokenizer, build_tiny_model, load_local
+from empo2.models.io import build_bpe_tokenizer, build_tiny_model, load_local
 from empo2.rollout.prompts import PromptBuilder
 from recipes.minisci_priors.prior import (
     CONTEXT,

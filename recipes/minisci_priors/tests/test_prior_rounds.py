@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from empo2.model_io import RECIPE_BUILT, shipped_prior
+from empo2.models.io import RECIPE_BUILT, shipped_prior
 from recipes.minisci_priors.prior import BCSettings, cache_dir
 from recipes.minisci_priors.prior_rounds import (
     SHIPPED_BY_ROUNDS,

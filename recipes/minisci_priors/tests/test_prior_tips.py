@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from empo2.config import ConfigError, load_config
+from empo2.config.presets import MINISCI_TIPS_LAYOUT
 from empo2.envs import make_env
 from empo2.envs.minisci import FAMILIES, catalogue
 from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty, Planner
 from empo2.memory import TIP_HEADER, format_tip_block, sanitize_tip
 from empo2.memory.tips import tip_request_message
-from empo2.model_io import build_bpe_tokenizer, checkpoint_folder, load_local, shipped_prior
-from empo2.model_presets import MINISCI_TIPS_LAYOUT
 from empo2.models import load_policy
+from empo2.models.io import build_bpe_tokenizer, checkpoint_folder, load_local, shipped_prior
 from empo2.rollout.prompts import PromptBuilder
 from recipes.minisci_priors.prior import CONTEXT, IGNORED, SOFT, TARGET
 from recipes.minisci_priors.prior_rounds import (
@@ -371,7 +371,7 @@ def test_a_shipped_prior_loads_on_its_own_layout_and_records_how_it_was_made(opt
 @pytest.fixture(scope="module")
 def small_policy(data):
     """A random tiny model with a tokenizer of the dev episodes' text: its play is a policy's own, not scripted."""
-    from empo2.model_io import build_tiny_model
+    from empo2.models.io import build_tiny_model
     from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT
 
     texts = [DEFAULT_SYSTEM_PROMPT, tip_request_message()["content"], TIP_HEADER]

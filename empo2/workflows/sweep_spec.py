@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from empo2.config import ConfigError, TrainConfig, load_config
-from empo2.experiments import check_keys, read_yaml, string_list
-from empo2.launch import hydra_quote
+from empo2.config.experiments import check_keys, read_yaml, string_list
+from empo2.workflows.launch import hydra_quote
 
 SWEEP_KEYS = ("study", "mlflow_experiment", "preset", "overrides", "metric", "direction", "n_trials", "timeout",
               "seed", "storage", "heartbeat", "sampler", "pruner", "space", "enqueue")

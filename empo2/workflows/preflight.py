@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, TrainerConfig, check_tensor_parallel
-from empo2.model_io import checkpoint_folder, resolve_path, smollm2_cache_dir
-from empo2.model_presets import PRESETS
+from empo2.config.presets import PRESETS
+from empo2.models.io import checkpoint_folder, resolve_path, smollm2_cache_dir
 
 MIN_JAVA = 11  # ScienceWorld 1.2 runs its bundled jar on Java 11 or newer (tested here on 17)
 

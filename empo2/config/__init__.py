@@ -1,5 +1,10 @@
 """Typed configuration: one dataclass per config group, every field documented exactly once, here.
 
+The package owns what a run is configured with: these dataclasses and their validation, the policy presets'
+registry (`presets`) and the experiment presets' composition (`experiments`), which the validation reads and so live
+with it. It sits low in the layers: it may import `empo2.utils` and `empo2.algo`, nothing above them (no model,
+environment or rollout code).
+
 The YAML files under `conf/` hold values only. `load_config(overrides)` composes them with Hydra,
 merges the result into these dataclasses (unknown keys are rejected by OmegaConf's structured
 mode) and `validate` checks every value against the range declared next to its field, before any
@@ -17,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from empo2.errors import ConfigError
-from empo2.experiments import expand_experiment
-from empo2.model_presets import PRESETS
+from empo2.config.experiments import expand_experiment
+from empo2.config.presets import PRESETS
+from empo2.utils.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,

@@ -1,13 +1,18 @@
-"""`load_policy(cfg)`: the (model, tokenizer) of any policy preset, LoRA applied; and the table `empo2 models`
-prints. Priors are only loaded here: the shipped ones from `empo2/assets`, `minisci-bc` and `minisci-tips` from the
-cache the recipe recipes/minisci_priors builds them into; one not built stops with the command that builds it."""
+"""The policy's weights: `load_policy(cfg)` here, the (model, tokenizer) of any policy preset, LoRA applied, and the
+table `empo2 models` prints; `io` (checkpoints in and out, the SmolLM2 conversion, the tiny and BPE builders, where
+priors are found), `attention` (grouped key/value heads read in place) and `prefix_cache` (shared prompt prefixes run
+once). May import `empo2.config`, `empo2.utils` and `empo2.algo`; rollout, lit and workflows import it.
+
+Priors are only loaded here: the shipped ones from `empo2/assets`, `minisci-bc` and `minisci-tips` from the cache the
+recipe recipes/minisci_priors builds them into; one not built stops with the command that builds it."""
 
 from __future__ import annotations
 
 import torch
 
 from empo2.config import ConfigError, ModelConfig
-from empo2.model_io import (
+from empo2.config.presets import PRESETS
+from empo2.models.io import (
     CHATML_TEMPLATE,
     RECIPE_BUILD,
     RECIPE_BUILT,
@@ -23,7 +28,6 @@ from empo2.model_io import (
     smollm2_cache_dir,
     smollm2_gguf_path,
 )
-from empo2.model_presets import PRESETS
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -61,7 +65,7 @@ def load_policy(cfg: ModelConfig):
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
         tok.chat_template = CHATML_TEMPLATE
-    from empo2.attention import use_grouped_sdpa  # here: it loads transformers, which `empo2 models` need not
+    from empo2.models.attention import use_grouped_sdpa  # here: it loads transformers, which `empo2 models` need not
 
     use_grouped_sdpa(model)
     if cfg.gradient_checkpointing:

@@ -7,9 +7,9 @@ and its history, groups the runs by a tag (`preset`, `grid`, `trial`, ...) or a 
 
 - `compare.md` and `compare.csv`: per group the number of runs and, for each metric, the mean ± std (sample
   std over runs, i.e. seeds) and a 95% interval of the mean, with the method that made it (`ci_method`): seeds
-  are the unit of replication, so a Student-t interval over the runs (`empo2.stats.t_interval`), or where the runs
+  are the unit of replication, so a Student-t interval over the runs (`empo2.algo.stats.t_interval`), or where the runs
   logged each instance's value (`val/score_nomem/<task>-<variation>`, ...) a two-level bootstrap, seeds then
-  instances within each (`empo2.stats.two_level_bootstrap`); where runs drew
+  instances within each (`empo2.algo.stats.two_level_bootstrap`); where runs drew
   memory modes, also what the tips add like for like over each run (`rollout/memory_gain (run)`: in every group
   of one instance, iteration and weights holding both, the score with tips minus tip-free, averaged over those
   groups; `rollout/memory_gain_groups (run)`: how many) and, for p = 1, `rollout/first_visit_gain` (later visits
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from empo2.algo.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 from empo2.config import ConfigError
-from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 
 # scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
 # EMPO² with GRPO like for like
@@ -377,7 +377,7 @@ def _study_outputs(study_run, storage: str | None, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import optuna
 
-    from empo2.sweep_storage import open_storage
+    from empo2.workflows.sweep_storage import open_storage
 
     name = study_run.data.tags.get("optuna.study", study_run.info.run_name)
     url = storage or study_run.data.tags.get("optuna.storage")

@@ -1,5 +1,6 @@
-"""Small shared helpers: atomic file writes, seeding, run folders, the cache folder, a quiet console, the peak
-memory of a process tree."""
+"""Small shared helpers, at the bottom of the layers with `empo2.algo`: atomic file writes, seeding, run folders, the
+cache folder, a quiet console, the peak memory of a process tree (here); the errors the CLI turns into one line or
+an exit status (`errors`); fault injection for the kill tests (`faults`). Imports nothing of empo2 above it."""
 
 from __future__ import annotations
 

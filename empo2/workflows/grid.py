@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, load_config, to_dict
-from empo2.experiments import check_keys, read_yaml, string_list
-from empo2.launch import WorkerPool, hydra_quote, last_line, log_run_files
-from empo2.runs import tracking_uri
-from empo2.slurm import (
+from empo2.config.experiments import check_keys, read_yaml, string_list
+from empo2.workflows.launch import WorkerPool, hydra_quote, last_line, log_run_files
+from empo2.workflows.runs import tracking_uri
+from empo2.workflows.slurm import (
     ENDED,
     SlurmConfig,
     check_cluster,
@@ -139,7 +139,7 @@ def _prepare_tracking(runs: list[GridRun]) -> None:
     fresh sqlite file would race to create its tables."""
     from mlflow.tracking import MlflowClient
 
-    from empo2.tracking import experiment_id
+    from empo2.workflows.tracking import experiment_id
 
     for uri, name in sorted({(tracking_uri(r.cfg), r.cfg.logger.experiment) for r in runs}):
         if uri.startswith("sqlite:///"):

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from empo2.config import ConfigError, TrainConfig, to_dict
-from empo2.errors import Interrupted
 from empo2.models import load_policy
-from empo2.runs import check_tracking, run_tags, tracking_uri
 from empo2.utils import PeakMemory, atomic_write_bytes, atomic_write_json, make_run_dir, plural, seed_everything
+from empo2.utils.errors import Interrupted
+from empo2.workflows.runs import check_tracking, run_tags, tracking_uri
 
 RANK_EXIT_S = 300  # how long a run waits, after its fit, for the ranks its launcher started to exit
 
@@ -90,7 +90,7 @@ def resume_run_name(cfg: TrainConfig) -> str | None:
 def _logger(cfg: TrainConfig, run_dir: Path):
     if cfg.logger.name == "none":
         return None
-    from empo2.tracking import SPOOL_NAME, ResilientMLFlowLogger
+    from empo2.workflows.tracking import SPOOL_NAME, ResilientMLFlowLogger
 
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if id_file.is_file() else None  # resume continues the same run
@@ -187,7 +187,7 @@ def plot_curves(history: list[dict], path: Path) -> None:
 
 def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
-    from empo2.preflight import preflight
+    from empo2.workflows.preflight import preflight
 
     t0, start = time.time(), time.perf_counter()
     preflight(cfg)  # the machine's side of the config, before the heavy imports and any folder

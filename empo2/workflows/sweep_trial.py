@@ -1,4 +1,4 @@
-"""One sweep trial: `python -m empo2.sweep_trial <study> <trial number> <overrides...>`.
+"""One sweep trial: `python -m empo2.workflows.sweep_trial <study> <trial number> <overrides...>`.
 
 Started by the `empo2 sweep` driver, never by hand. The process opens the study's storage (its URL
 arrives in an environment variable, so no password lands in a command line or log), trains with a
@@ -18,10 +18,10 @@ import sys
 import lightning as L
 
 from empo2.config import ConfigError, load_config
-from empo2.launch import log_run_files
-from empo2.sweep import STORAGE_ENV
-from empo2.sweep_spec import make_pruner
-from empo2.sweep_storage import Heartbeat, open_storage
+from empo2.workflows.launch import log_run_files
+from empo2.workflows.sweep import STORAGE_ENV
+from empo2.workflows.sweep_spec import make_pruner
+from empo2.workflows.sweep_storage import Heartbeat, open_storage
 
 
 class PruneOnValidation(L.Callback):
@@ -63,7 +63,7 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    from empo2.train import train
+    from empo2.workflows.train import train
 
     storage = open_storage(os.environ[STORAGE_ENV])
     study = optuna.load_study(study_name=study_name, storage=storage)
@@ -107,7 +107,7 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or not argv[1].isdigit() or STORAGE_ENV not in os.environ:
-        print("usage: started by `empo2 sweep`: python -m empo2.sweep_trial STUDY NUMBER [overrides...] "
+        print("usage: started by `empo2 sweep`: python -m empo2.workflows.sweep_trial STUDY NUMBER [overrides...] "
               f"with {STORAGE_ENV} set", file=sys.stderr)
         return 2
     try:

@@ -2,7 +2,7 @@
 
 The sweep file (format in sweep_spec.py, examples in sweeps/) names the study, its search space and
 settings. The driver asks the study for a trial and starts
-`python -m empo2.sweep_trial <study> <n> <overrides>` (so DDP/FSDP trials launch their ranks as
+`python -m empo2.workflows.sweep_trial <study> <n> <overrides>` (so DDP/FSDP trials launch their ranks as
 `empo2 train` does, each worker on its own GPUs); the trial process reports the metric to the shared
 RDB storage after each validation, stops when the median pruner says so, and tells the study its
 result. An MLflow parent run stands for the study; every trial's run is nested under it.
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from empo2.config import ConfigError
-from empo2.launch import WorkerPool, hydra_quote, last_line
-from empo2.runs import check_tracking, tracking_uri
-from empo2.slurm import (
+from empo2.workflows.launch import WorkerPool, hydra_quote, last_line
+from empo2.workflows.runs import check_tracking, tracking_uri
+from empo2.workflows.slurm import (
     PREFIX,
     SlurmConfig,
     check_cluster,
@@ -37,8 +37,8 @@ from empo2.slurm import (
     split_overrides,
     submit,
 )
-from empo2.sweep_spec import Param, SweepSpec, load_sweep, make_pruner, make_sampler
-from empo2.sweep_storage import open_storage, shown_url, storage_lock
+from empo2.workflows.sweep_spec import Param, SweepSpec, load_sweep, make_pruner, make_sampler
+from empo2.workflows.sweep_storage import open_storage, shown_url, storage_lock
 
 __all__ = ["STORAGE_ENV", "Param", "SweepSpec", "load_sweep", "make_pruner", "make_sampler", "open_storage",
            "run_sweep"]
@@ -52,7 +52,7 @@ def _parent_run(study, spec: SweepSpec, storage_url: str) -> str:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from empo2.tracking import experiment_id
+    from empo2.workflows.tracking import experiment_id
 
     uri = tracking_uri(spec.cfg)
     if uri.startswith("sqlite:///"):
@@ -285,7 +285,7 @@ def _run_trials(study, storage, spec: SweepSpec, root: Path, workers: int, n_tri
                                 f"run_name={spec.study}/trial-{trial.number:04d}",
                                 f"++logger.experiment={hydra_quote(spec.mlflow_experiment)}"]
                         log = root / spec.study / f"trial-{trial.number:04d}" / "worker.log"
-                        pool.start(trial.number, "empo2.sweep_trial", args, log, env={STORAGE_ENV: url})
+                        pool.start(trial.number, "empo2.workflows.sweep_trial", args, log, env={STORAGE_ENV: url})
                         retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
                         print(f"  trial {trial.number}: started {values}"
                               + (f" (retry of trial {retried})" if retried is not None else ""))
@@ -353,7 +353,7 @@ def _close_parent(spec: SweepSpec, run_id: str, result: dict) -> None:
                 client.set_tag(run_id, f"best.{key}", str(value))
         client.set_terminated(run_id)
     except Exception as e:  # the tracking server went away: the study and best.yaml are stored regardless
-        from empo2.tracking import first_line
+        from empo2.workflows.tracking import first_line
 
         print(f"the study's MLflow parent run {run_id} was not updated ({first_line(e)}); the study and best.yaml "
               "are stored, and the next `empo2 sweep` of this study updates it")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, load_config, to_dict, validate
 from empo2.envs import TaskSpec, get_catalogue
-from empo2.runs import run_tags, tracking_uri
 from empo2.utils import atomic_write_json
+from empo2.workflows.runs import run_tags, tracking_uri
 
 # torch and Lightning (for derive_seed) are imported where used: a mistyped argument is reported in a
 # second, not after the seconds those imports take
@@ -309,7 +309,7 @@ def record_run(cfg: TrainConfig, ckpt: Path | None, kind: str, options: dict, me
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from empo2.tracking import experiment_id, first_line, quick_requests, upload
+    from empo2.workflows.tracking import experiment_id, first_line, quick_requests, upload
 
     source_id, source_uri = _source_run(ckpt)
     # a tracking URI given for this command wins; else the training run's (absolute) one

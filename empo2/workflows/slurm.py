@@ -27,7 +27,7 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from empo2.config import ConfigError, _check_field, field_lines, opt
-from empo2.launch import last_line
+from empo2.workflows.launch import last_line
 
 PREFIX = "launcher."
 POLL_S = 2.0  # seconds between squeue queries while jobs run

@@ -10,7 +10,7 @@ A preset is the same thing a user types after `empo2 train`, written down once:
 `empo2 train experiment=no_offpolicy algo.p=0.4` expands to the preset's overrides followed by the
 command line's, so anything typed wins over the preset, and the run records `experiment` (also its
 MLflow tag `preset`). A value ending in `.yaml` is a path to a preset file (a sweep's best.yaml).
-The same files hold the grid definitions (`presets:` instead of `overrides:`, see `empo2.grid`).
+The same files hold the grid definitions (`presets:` instead of `overrides:`, see `empo2.workflows.grid`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from empo2.errors import ConfigError
+from empo2.utils.errors import ConfigError
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 PRESET_KEYS = ("base", "overrides")
 _EXPERIMENT_OVERRIDE = re.compile(r"^\+?experiment=(.*)$")
 

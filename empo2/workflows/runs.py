@@ -21,7 +21,7 @@ def check_tracking(cfg: TrainConfig) -> None:
         return
     import mlflow
 
-    from empo2.tracking import first_line, quick_requests
+    from empo2.workflows.tracking import first_line, quick_requests
 
     uri = tracking_uri(cfg)
     try:
@@ -37,7 +37,7 @@ def source_version() -> dict[str, str]:
     runs from a git checkout; nothing otherwise (an installed wheel)."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return {}
     try:

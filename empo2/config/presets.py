@@ -1,5 +1,5 @@
 """The policy presets, one registry: `model.name`'s choices and documentation (`empo2.config`), how each
-loads (`empo2.model_io`, `empo2.models`) and the table of `empo2 models` all derive from it. Plain data, at the
+loads (`empo2.models.io`, `empo2.models`) and the table of `empo2 models` all derive from it. Plain data, at the
 bottom of the layers, because the config validates against it."""
 
 from __future__ import annotations
