@@ -55,7 +55,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 @contextlib.contextmanager
 def _without_crc32():
     """`torch.save` without the CRC32 of every record: `torch.load` never checks them (a flipped byte loads
-    silently either way), and computing them took 3-5 s of a 1.6 GB SmolLM2 checkpoint's 4-6 s write. Whole
+    silently either way), and computing them took most of a checkpoint write (docs/performance.md). Whole
     files are what the atomic rename guarantees; the caller's setting is restored."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
