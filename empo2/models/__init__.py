@@ -52,11 +52,7 @@ def load_policy(cfg: ModelConfig):
     elif cfg.name == "smollm2-135m-instruct":
         model, tok = load_local(ensure_smollm2(), dtype)
     elif cfg.name in RECIPE_BUILT:
-        path = recipe_prior(cfg.name)
-        if path is None:
-            raise ConfigError(f"model.name={cfg.name} is not built on this machine: `{RECIPE_BUILD} {cfg.name}` "
-                              "builds it (from the repository root; docs/priors.md)")
-        model, tok = load_local(path, dtype)
+        model, tok = load_local(recipe_prior(cfg.name), dtype)
     elif PRESETS[cfg.name].shipped:
         model, tok = load_local(shipped_prior(cfg.name), dtype)
     else:
@@ -82,9 +78,10 @@ def preset_status() -> list[tuple[str, str, str]]:
         if name == "tiny":
             status = "available (built locally)"
         elif name in RECIPE_BUILT:
-            ready = recipe_prior(name)
-            status = (f"not built: {RECIPE_BUILD} {name}" if ready is None else
-                      "available (shipped)" if ready.parent == SHIPPED else "available (cached)")
+            try:
+                status = "available (shipped)" if recipe_prior(name).parent == SHIPPED else "available (cached)"
+            except ConfigError:
+                status = f"not built: {RECIPE_BUILD} {name}"
         elif name == "smollm2-135m-instruct":
             try:
                 smollm2_gguf_path()

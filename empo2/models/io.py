@@ -210,13 +210,14 @@ RECIPE_BUILT = {"minisci-bc": "minisci-bc-03fe0c537299", "minisci-tips": "minisc
 RECIPE_BUILD = "python -m recipes.minisci_priors.prior_rounds build"  # + the prior's name, from the repository root
 
 
-def recipe_prior(name: str) -> Path | None:
-    """The folder of a prior the recipe builds (`RECIPE_BUILT`): the cache's, else a copy placed in `SHIPPED`, else
-    None (not built on this machine)."""
+def recipe_prior(name: str) -> Path:
+    """The folder of a prior the recipe builds (`RECIPE_BUILT`): the cache's, else a copy placed in `SHIPPED`; one not
+    built on this machine stops with the command that builds it."""
     for path in (cache_root() / "models" / RECIPE_BUILT[name], SHIPPED / RECIPE_BUILT[name]):
         if (path / "empo2_source.json").is_file():  # written last: its presence means a finished build
             return path
-    return None
+    raise ConfigError(f"model.name={name} is not built on this machine: `{RECIPE_BUILD} {name}` builds it (from the "
+                      "repository root; docs/priors.md)")
 
 
 def shipped_prior(name: str) -> Path:
@@ -228,9 +229,11 @@ def shipped_prior(name: str) -> Path:
 
 
 def checkpoint_folder(cfg: ModelConfig) -> Path | None:
-    """The folder a config's weights load from, found without building or converting anything: a shipped prior's,
-    else `model.path`; None for presets built or converted on first use. Its empo2_source.json says how a prior
-    was made and whether it signs its tips (`prior_tips.tips_signed`)."""
+    """The folder a config's weights load from, found without building or converting anything: a shipped prior's, a
+    recipe-built one's (`recipe_prior`), else `model.path`; None for presets built or converted on first use. Its
+    empo2_source.json says how a prior was made and whether it signs its tips (the recipe's `tips_signed`)."""
     if PRESETS[cfg.name].shipped:
         return shipped_prior(cfg.name)
+    if cfg.name in RECIPE_BUILT:
+        return recipe_prior(cfg.name)
     return Path(cfg.path).expanduser() if cfg.path else None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, TrainerConfig, check_tensor_parallel
 from empo2.config.presets import PRESETS
-from empo2.models.io import checkpoint_folder, resolve_path, smollm2_cache_dir
+from empo2.models.io import RECIPE_BUILT, checkpoint_folder, recipe_prior, resolve_path, smollm2_cache_dir
 
 MIN_JAVA = 11  # ScienceWorld 1.2 runs its bundled jar on Java 11 or newer (tested here on 17)
 
@@ -97,6 +97,8 @@ def preflight(cfg: TrainConfig) -> None:
     writable_root("run_root", cfg.run_root)
     if cfg.model.name == "hf" or PRESETS[cfg.model.name].hf_id:  # a checkpoint on disk, not one we build
         resolve_path(cfg.model)
+    if cfg.model.name in RECIPE_BUILT:  # built by the recipe, never by a run
+        recipe_prior(cfg.model.name)
     if cfg.env.name == "scienceworld":
         version = java_version()
         if version is None or version < MIN_JAVA:

@@ -10,7 +10,8 @@ task, but not where things are in an unseen house: finding them is left to explo
 what EMPO² is about. It writes its own tips like any policy (it was never taught to, so they read
 like actions), and it never saw a tip in a prompt.
 
-Built on first use (deterministic for a seed; docs/priors.md gives the build time), written atomically and cached
+Built by `python -m recipes.minisci_priors.prior_rounds build minisci-bc` or on a probe's first use (deterministic
+for a seed; docs/priors.md gives the build time), written atomically and cached
 under `$EMPO2_CACHE/models/minisci-bc-<hash>`.
 """
 

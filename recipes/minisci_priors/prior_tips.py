@@ -28,8 +28,8 @@ step. And the loss also predicts the context tokens (`lm_weight`), the dense nex
 from pretraining, from which copying what the context says (a room a tip names, a door an observation
 lists) is learned; with only the actions as targets, three CPU builds learned the grammar and never read.
 
-Built on first use (deterministic for a seed), written atomically and cached under
-`$EMPO2_CACHE/models/minisci-tips-<hash>`, as `minisci-bc` is.
+Built by `python -m recipes.minisci_priors.prior_rounds build minisci-tips` or on a probe's first use (deterministic
+for a seed), written atomically and cached under `$EMPO2_CACHE/models/minisci-tips-<hash>`, as `minisci-bc` is.
 """
 
 from __future__ import annotations
@@ -426,10 +426,10 @@ def tips_signed(path) -> bool:
 def cached_prior(settings: TipPriorSettings, start=None):
     """(path, model, tokenizer, training sequences) of the built prior, or of the checkpoint `start` (a fine-tune
     of it, with its tokenizer), with the prior's sequences, for a probe that continues training it (a probe never
-    builds it: a run does)."""
+    builds it: the recipe's build command does)."""
     path = Path(start) if start else ready_path("minisci-tips", settings)
     if path is None:
-        raise FileNotFoundError("no minisci-tips with the current settings: build it first (any run with "
-                                "model=minisci_tips)")
+        raise FileNotFoundError("no minisci-tips with the current settings: build it first "
+                                "(python -m recipes.minisci_priors.prior_rounds build minisci-tips)")
     model, tok = load_local(path, torch.float32)
     return path, model, tok, training_sequences(prompt_builder(tok), dev_episodes(settings), settings)
