@@ -369,7 +369,7 @@ class TrainerConfig:
     release_memory: bool = opt(False, "Before each micro-batch's backward, hand the memory the C allocator holds "
                                "free back to the OS (glibc `malloc_trim`; elsewhere nothing happens). The update's "
                                "tensors come and go in many sizes, and glibc keeps what they free in pieces it "
-                               "cannot return by itself: 0.4-0.7 GiB of the SmolLM2 demo's peak. Lowers the peak "
+                               "cannot return by itself (docs/performance.md). Lowers the peak "
                                "RSS, for page faults when that memory is used again.")
     lr: float = opt(1e-6, "AdamW learning rate (paper 1e-6 for 7B; small models tolerate more).", gt=0)
     lr_schedule: str = opt("constant", "`constant` or `cosine` after warm-up.", choices=("constant", "cosine"))

@@ -118,7 +118,7 @@ def commands_of_pages() -> list[tuple[str, str, str]]:
                 found += [(f"{rel}:{n}", "bash", c) for n, c in shell_commands(body, line)]
             elif lang == "console":
                 found += [(f"{rel}:{n}", "console", c + "\n" + e) for n, c, e in console_examples(body, line)]
-            elif lang != "text":
+            elif lang not in ("text", "mermaid"):  # prose and diagrams hold no command
                 found.append((f"{rel}:{line - 1}", "unlabelled", body))
         for span in re.findall(r"`(empo2 [^`]+)`", prose(page)):
             found.append((f"{rel} (inline)", "inline", " ".join(span.split())))
