@@ -21,17 +21,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from empo2 import core_algos
+from empo2.algo import core_algos
+from empo2.algo.stats import first_visit_gain
 from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
-from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.lit.progress import Phase, PhaseTimes
 from empo2.lit.strategy import export_ranks, unsharded
 from empo2.rollout.build import engine_for
 from empo2.rollout.collector import RolloutCollector
 from empo2.rollout.engines import full_named_tensors
-from empo2.stats import first_visit_gain
+from empo2.utils.faults import maybe_fail
 
 
 def _to_torch(obj):
