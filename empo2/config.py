@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from empo2.errors import ConfigError
-from empo2.experiments import expand_experiment
+from empo2.experiments import experiment_override, register_presets
 from empo2.model_presets import PRESETS
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -417,10 +417,14 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
-    experiment: str | None = opt(None, "Preset applied before the other overrides: a name from experiments/ "
-                                 "(`empo2 train experiment=grpo_minisci`) or the path of a preset YAML such as a "
-                                 "sweep's best.yaml. The command line's own overrides win over the preset's.",
+    experiment: str | None = opt(None, "Preset, Hydra's `experiment` group: a name from experiments/ "
+                                 "(`empo2 train experiment=grpo_minisci`; `empo2 config experiment` lists them) or "
+                                 "the path of a preset file such as a sweep's best.yaml. Composed after every group "
+                                 "and root value; the command line's own overrides win over the preset's.",
                                  nullable=True)
+    description: str | None = opt(None, "One line saying what the preset is for; each preset sets its own. It "
+                                  "documents the run and changes no result (grids resume across a changed one).",
+                                  nullable=True)
     seed: int = opt(0, "Seed of every random draw (task sampling, modes, generation).", ge=0)
     run_root: str = opt("outputs", "Directory under which each run gets its own folder.")
     run_name: str | None = opt(None, "Run folder name; null uses a timestamp.", nullable=True)
@@ -568,7 +572,8 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = expand_experiment(list(overrides or []))  # a preset's overrides go first, so later ones win
+    overrides, preset = experiment_override(list(overrides or []))
+    register_presets()  # the `empo2-presets://` source of conf/train.yaml's search path
     # The dataclasses are the schema under the YAML files (`- empo2_schema` heads train.yaml's defaults), so
     # every documented field can be overridden even where a group's YAML does not mention it.
     ConfigStore.instance().store(name="empo2_schema", node=TrainConfig)
@@ -581,6 +586,7 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
         OmegaConf.set_struct(schema.logger.tags, False)  # free-form: any tag name is allowed
         _reject_unknown_keys(OmegaConf.to_container(raw, resolve=False), TrainConfig, "")
         merged = OmegaConf.merge(schema, raw)
+        merged.experiment = preset  # the preset as given: a name of experiments/ or a file's path
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_one_line(e)) from None
