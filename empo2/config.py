@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from empo2.errors import ConfigError
-from empo2.experiments import experiment_override, register_presets
+from empo2.experiments import available_presets, experiment_override, preset_descriptions, register_presets
 from empo2.model_presets import PRESETS
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -590,6 +590,8 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_one_line(e)) from None
+    except RecursionError:  # Hydra follows a defaults list wherever it leads
+        raise ConfigError(f"experiment={preset}: the presets it builds on form a cycle") from None
     finally:
         GlobalHydra.instance().clear()
     return validate(cfg)
@@ -681,13 +683,20 @@ def _range(meta) -> str:
 
 def describe(section: str | None = None) -> str:
     """`empo2 config`: the groups and their options; `empo2 config algo`: every field of the section with
-    its default, allowed range and documentation (the dataclasses above are the one source)."""
+    its default, allowed range and documentation (the dataclasses above are the one source); `empo2 config
+    experiment`: the presets with their descriptions."""
     if section is None:
         lines = ["config groups (choose an option with GROUP=OPTION, e.g. model=tiny):"]
         lines += [f"  {g:<8} {', '.join(group_options(g))}" for g in GROUPS]
+        lines += [f"  {'experiment':<8} {', '.join(available_presets())}  (presets: `empo2 config experiment`)"]
         lines += ["root fields: `empo2 config train`; a section's fields: `empo2 config GROUP`; "
                   "the resolved config of a command line: `empo2 train ... --cfg`"]
         return "\n".join(lines)
+    if section == "experiment":
+        described = preset_descriptions()
+        width = max(map(len, described), default=0)
+        return "\n".join(["experiment (presets of experiments/, `empo2 train experiment=NAME`; a path ending in .yaml "
+                          "names a preset file):", *(f"  {n:<{width}}  {d}" for n, d in described.items())])
     defaults = TrainConfig()
     if section == "train":
         obj, prefix = defaults, ""
@@ -696,9 +705,10 @@ def describe(section: str | None = None) -> str:
     else:
         import difflib
 
-        close = difflib.get_close_matches(section, ["train", *GROUPS], n=1)
+        close = difflib.get_close_matches(section, ["train", *GROUPS, "experiment"], n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}")
+        raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}, "
+                          "experiment")
     options = f"options {', '.join(group_options(section))}" if section != "train" else "root fields"
     return "\n".join([f"{section} ({options}):", *field_lines(obj, prefix)])
 

@@ -110,8 +110,13 @@ def experiment_override(overrides: list[str]) -> tuple[list[str], str | None]:
     rest = [o for o in overrides if not _EXPERIMENT_OVERRIDE.match(o)]
     if ref in (None, "null", "None", ""):
         return rest, None
-    if not ref.endswith((".yaml", ".yml")) and not re.fullmatch(r"[A-Za-z0-9_.-]+", ref):
+    if ref.endswith((".yaml", ".yml")):
+        if not preset_file(ref).is_file():
+            raise ConfigError(f"experiment={ref}: no such preset file")
+    elif not re.fullmatch(r"[A-Za-z0-9_.-]+", ref):
         raise ConfigError(f"experiment={ref!r}: expected a preset name or a path ending in .yaml")
+    elif not preset_file(ref).is_file():
+        raise ConfigError(f"experiment={ref}: unknown preset (available: {', '.join(available_presets())})")
     quoted = ref.replace("\\", "\\\\").replace("'", "\\'")  # Hydra's quoted string: any path survives
     return rest + [f"experiment='{quoted}'"], ref
 
@@ -152,7 +157,7 @@ class PresetSource(ConfigSource):
         data = read_yaml(path, "preset")
         if "presets" in data:
             raise ConfigError(f"{path} is a grid (run it with `empo2 grid {path}`), not a preset")
-        if header["package"] is None and set(data) <= set(FORMER_KEYS):
+        if header["package"] is None and set(data) & set(FORMER_KEYS):
             cfg, header = migrate(data, path), {"package": "_global_"}
         elif header["package"] != "_global_":
             raise ConfigError(f"{path}: a preset starts with the line `{HEADER}` (it sets keys of the whole config)")
