@@ -6,7 +6,7 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
 (the least disturbed estimate). A run is `empo2.train.train` with the configuration's own settings and
 `trainer.iterations=--iterations` (`--demo-iterations`):
 
-- `headline`: the first run of `experiments/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
+- `headline`: the first run of `grids/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
 - `demo`: `empo2 train` with the defaults: SmolLM2-135M on MiniSci, the real-LLM run (`make demo` runs the small
   tips reader instead);
 - `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
