@@ -24,6 +24,7 @@ Grid definitions live in grids/ (`empo2.grid`), sweeps in sweeps/ (`empo2.sweep_
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -116,7 +117,9 @@ def experiment_override(overrides: list[str]) -> tuple[list[str], str | None]:
     elif not re.fullmatch(r"[A-Za-z0-9_.-]+", ref):
         raise ConfigError(f"experiment={ref!r}: expected a preset name or a path ending in .yaml")
     elif not preset_file(ref).is_file():
-        raise ConfigError(f"experiment={ref}: unknown preset (available: {', '.join(available_presets())})")
+        close = difflib.get_close_matches(ref, available_presets(), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"experiment={ref}: unknown preset{hint} (available: {', '.join(available_presets())})")
     quoted = ref.replace("\\", "\\\\").replace("'", "\\'")  # Hydra's quoted string: any path survives
     return rest + [f"experiment='{quoted}'"], ref
 

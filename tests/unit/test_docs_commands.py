@@ -40,7 +40,8 @@ from empo2.prior_rounds import parse_round, planned_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-REPO_DIRS = ("empo2", "experiments", "grids", "sweeps", "conf", "benchmarks", "research", "reports", "docs", "tests", ".ci")
+REPO_DIRS = ("empo2", "experiments", "grids", "sweeps", "conf", "benchmarks", "research", "reports", "docs", "tests",
+             ".ci")
 GENERATED = ("outputs/", "benchmarks/results/", "research/results/")  # folders that commands create
 OUTPUT_FLAGS = ("--out", "--save")
 OUTPUT_KEYS = ("out",)
