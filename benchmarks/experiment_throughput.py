@@ -68,7 +68,8 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     if config == "headline":
         from empo2.grid import plan_grid
 
-        _, runs = plan_grid(tree / "experiments" / "headline_minisci.yaml", seeds=[0],
+        grid = next(p for p in (tree / d / "headline_minisci.yaml" for d in ("grids", "experiments")) if p.is_file())
+        _, runs = plan_grid(grid, seeds=[0],  # grids/, or experiments/ in a tree from before grids/ existed
                             overrides=[f"run_root={run_root}", f"trainer.iterations={iterations}"])
         cfg = runs[0].cfg
     else:

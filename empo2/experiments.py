@@ -6,7 +6,7 @@ A preset is a Hydra config holding what a user would type after `empo2 train`, w
     # comment saying what the preset reproduces and why
     description: One line saying what the preset is for   # listed by `empo2 config experiment`
     defaults:
-      - empo2_paper                 # optional: presets it builds on, in order (later ones win)
+      - /experiment/empo2_paper     # optional: presets it builds on, in order (later ones win)
       - override /env: minisci      # group choices
       - _self_                      # the values below win over those of the presets above
     algo:
@@ -17,9 +17,10 @@ conf/train.yaml's own values, and applies the command line last, so anything typ
 run records the preset in `experiment` (also its MLflow tag `preset`) and the preset's `description`.
 conf/train.yaml puts the folder on Hydra's search path as `empo2-presets://experiments` (`PresetSource`):
 `experiment/<name>` is experiments/<name>.yaml, and a name ending in .yaml is the path of a preset file
-(a sweep's best.yaml), relative to the current directory. A file in the former format (`base:` and
-`overrides:`, as sweeps wrote best.yaml before) is migrated when it is read (`migrate`).
-Grid definitions live in grids/ (`empo2.grid`), sweeps in sweeps/ (`empo2.sweep_spec`).
+(a sweep's best.yaml), relative to the current directory; a defaults entry `/experiment/<name or path>` builds
+on another preset from any file. A file in the former format (`base:` and `overrides:`, as sweeps wrote best.yaml
+before) is migrated when it is read (`migrate`). Grid definitions live in grids/ (`empo2.grid`), sweeps in
+sweeps/ (`empo2.sweep_spec`).
 """
 
 from __future__ import annotations
@@ -150,22 +151,26 @@ class PresetSource(ConfigSource):
         return preset_file(name, self.folder)
 
     def load_config(self, config_path: str) -> ConfigResult:
-        from omegaconf import OmegaConf
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+        from yaml import YAMLError
 
         path = self._file(config_path)
         if path is None or not path.is_file():
             raise ConfigLoadError(f"Config not found: {config_path}")
-        text = path.read_text(encoding="utf-8")
-        header = ConfigSource._get_header_dict(text)
-        data = read_yaml(path, "preset")
-        if "presets" in data:
+        header = ConfigSource._get_header_dict(path.read_text(encoding="utf-8"))
+        try:
+            cfg = OmegaConf.load(path)  # unresolved: a value may refer to any key of the composed config
+        except (OmegaConfBaseException, YAMLError) as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(cfg, DictConfig):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        if "presets" in cfg:
             raise ConfigError(f"{path} is a grid (run it with `empo2 grid {path}`), not a preset")
-        if header["package"] is None and set(data) & set(FORMER_KEYS):
-            cfg, header = migrate(data, path), {"package": "_global_"}
+        if header["package"] is None and set(cfg) & set(FORMER_KEYS):
+            cfg, header = migrate(OmegaConf.to_container(cfg), path), {"package": "_global_"}
         elif header["package"] != "_global_":
             raise ConfigError(f"{path}: a preset starts with the line `{HEADER}` (it sets keys of the whole config)")
-        else:
-            cfg = OmegaConf.load(path)
         return ConfigResult(config=cfg, path=f"file://{path.parent}", provider=self.provider, header=header)
 
     def available(self) -> bool:
@@ -193,9 +198,9 @@ def register_presets() -> None:
 
 def preset_config(bases: list[str], overrides: list[str], description: str | None = None,
                   conf_dir: Path = PROJECT_DIR / "conf"):
-    """A preset (an OmegaConf DictConfig, header aside) that composes as `experiment=<bases[0]>` ... followed by
-    `overrides` did in the former format: the bases, then each group's last choice, then the values in order (a
-    value set after a group choice wins over that group's file either way: Hydra merges presets last)."""
+    """A preset (a DictConfig; `preset_text` adds the header) composing as the former `base: bases` with
+    `overrides:` did: the bases in order, then each group's last choice, then the values in order. The former
+    format applied every value after every group choice; Hydra merges a preset after every group: the same."""
     from omegaconf import OmegaConf
 
     defaults: list[Any] = [f"/{GROUP}/{b}" for b in bases]
