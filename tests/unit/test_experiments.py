@@ -237,6 +237,16 @@ def test_a_finished_grid_run_resumes_across_the_description_field_but_not_across
         is_finished(run)
 
 
+
+def test_a_run_saved_before_presets_had_a_description_still_loads_for_eval(tmp_path):
+    from empo2.evaluate import run_config
+
+    saved = json.loads((RECORDED / "grpo_minisci.json").read_text())  # a run's config as the former parser made it
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "summary.json").write_text(json.dumps({"config": saved}))
+    cfg = run_config(tmp_path / "checkpoints" / "last.ckpt", ["env.val_variations=3"])
+    assert (cfg.experiment, cfg.description, cfg.algo.name, cfg.env.val_variations) == ("grpo_minisci", None, "grpo", 3)
+
 @pytest.mark.parametrize("text, needle", [
     ("overrides: [algo.p=0.1]\nextra: 1\n", "unknown key 'extra'"),
     ("base: cyc\n", "cycle"),
