@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from empo2.config import ConfigError, load_config, to_dict
 from empo2.evaluate import parse_kv
@@ -115,7 +116,15 @@ def test_a_preset_file_path_works(tmp_path):
     assert (cfg.algo.p, cfg.memory.enabled, cfg.experiment) == (0.1, False, str(path))
 
 
-RECORDED = ROOT / "tests" / "data" / "preset_configs"  # each preset's resolved config under the former parser
+# Every preset as it was before presets became Hydra configs: `base:` presets whose overrides come first, then
+# `overrides:`, expanded by our own parser into one override list (`former_overrides` below is that parser).
+FORMER = ROOT / "tests" / "data" / "former_presets"
+
+
+def former_overrides(name: str) -> list[str]:
+    data = yaml.safe_load((FORMER / f"{name}.yaml").read_text())
+    bases = [data["base"]] if isinstance(data.get("base"), str) else data.get("base", [])
+    return [o for base in bases for o in former_overrides(base)] + data.get("overrides", [])
 
 
 def _plain(cfg) -> dict:
@@ -123,18 +132,18 @@ def _plain(cfg) -> dict:
 
 
 @pytest.mark.parametrize("preset", available_presets())
-def test_every_preset_composes_the_config_it_composed_before_it_became_a_hydra_config(preset):
-    """The resolved config of each preset equals the one recorded when presets were override lists expanded by
-    our own parser, but for the new `description` field, which each preset sets to one line."""
-    config = _plain(_cfg(preset))
+def test_every_preset_composes_the_config_its_former_override_list_composed(preset):
+    """The resolved config of each preset equals that of its former override list, but for the run's record of
+    the preset (`experiment`, `description`: each preset describes itself in one line)."""
+    config, former = _plain(_cfg(preset)), _plain(load_config(former_overrides(preset)))
+    assert config.pop("experiment") == preset and former.pop("experiment") is None
     description = config.pop("description")
-    assert config == json.loads((RECORDED / f"{preset}.json").read_text())
+    assert config == {k: v for k, v in former.items() if k != "description"}
     assert isinstance(description, str) and description.strip() and "\n" not in description
 
 
 def test_no_preset_was_lost_and_every_file_of_experiments_is_a_hydra_preset():
-    recorded = {p.stem for p in RECORDED.glob("*.json")} - {"former_best_yaml"}
-    assert set(available_presets()) == recorded
+    assert set(available_presets()) == {p.stem for p in FORMER.glob("*.yaml")}
     for name in available_presets():
         text = (EXPERIMENTS_DIR / f"{name}.yaml").read_text()
         data = read_yaml(EXPERIMENTS_DIR / f"{name}.yaml", "preset")
@@ -157,14 +166,20 @@ overrides:
 """
 
 
+def _former_best() -> dict:
+    """FORMER_BEST's config as the former parser composed it: its base's override list, then its own."""
+    own = yaml.safe_load(FORMER_BEST)["overrides"]
+    config = _plain(load_config(former_overrides("empo2_paper_minisci") + own))
+    return {k: v for k, v in config.items() if k not in ("experiment", "description")}
+
+
 def test_a_best_yaml_in_the_former_format_still_loads_through_the_migration(tmp_path):
     path = tmp_path / "best.yaml"
     path.write_text(FORMER_BEST)
     config = _plain(load_config([f"experiment={path}"]))
-    recorded = json.loads((RECORDED / "former_best_yaml.json").read_text())
     assert config.pop("experiment") == str(path)
     assert config.pop("description") == preset_descriptions()["empo2_paper_minisci"]  # the base's: it has none
-    assert config == {k: v for k, v in recorded.items() if k != "experiment"}
+    assert config == _former_best()
 
 
 def test_a_sweep_writes_its_best_trial_as_a_hydra_preset_that_composes_as_the_former_file(tmp_path):
@@ -192,9 +207,8 @@ def test_a_sweep_writes_its_best_trial_as_a_hydra_preset_that_composes_as_the_fo
     assert text.startswith(HEADER + "\n") and "/experiment/empo2_paper_minisci" in text and "base:" not in text
     config = _plain(load_config([f"experiment={best}"]))
     assert config.pop("description") == "best trial 0 of Optuna study s: val/score_nomem = 0.4"
-    recorded = json.loads((RECORDED / "former_best_yaml.json").read_text())
     assert config.pop("experiment") == str(best)
-    assert config == {k: v for k, v in recorded.items() if k != "experiment"}
+    assert config == _former_best()
 
 
 def test_a_preset_file_builds_on_presets_and_chooses_groups_through_its_defaults_list(tmp_path):
@@ -241,7 +255,8 @@ def test_a_finished_grid_run_resumes_across_the_description_field_but_not_across
 def test_a_run_saved_before_presets_had_a_description_still_loads_for_eval(tmp_path):
     from empo2.evaluate import run_config
 
-    saved = json.loads((RECORDED / "grpo_minisci.json").read_text())  # a run's config as the former parser made it
+    saved = _plain(_cfg("grpo_minisci"))
+    del saved["description"]  # a run's config as it was saved before presets had one
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "summary.json").write_text(json.dumps({"config": saved}))
     cfg = run_config(tmp_path / "checkpoints" / "last.ckpt", ["env.val_variations=3"])
