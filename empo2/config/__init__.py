@@ -22,8 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from empo2.config.experiments import (PROJECT_DIR, available_presets, experiment_override, preset_descriptions,
-                                      register_presets)
+from empo2.config.experiments import (
+    PROJECT_DIR,
+    available_presets,
+    experiment_override,
+    preset_descriptions,
+    register_presets,
+)
 from empo2.config.presets import PRESETS
 from empo2.utils.errors import ConfigError
 

@@ -184,8 +184,7 @@ def test_a_best_yaml_in_the_former_format_still_loads_through_the_migration(tmp_
 
 def test_a_sweep_writes_its_best_trial_as_a_hydra_preset_that_composes_as_the_former_file(tmp_path):
     import optuna
-
-    from empo2.sweep import _write_best
+    from empo2.workflows.sweep import _write_best
 
     sweep = tmp_path / "s.yaml"
     sweep.write_text("study: s\npreset: empo2_paper_minisci\noverrides: [trainer.iterations=20, trainer.val_every=5]\n"
@@ -253,7 +252,7 @@ def test_a_finished_grid_run_resumes_across_the_description_field_but_not_across
 
 
 def test_a_run_saved_before_presets_had_a_description_still_loads_for_eval(tmp_path):
-    from empo2.evaluate import run_config
+    from empo2.workflows.evaluate import run_config
 
     saved = _plain(_cfg("grpo_minisci"))
     del saved["description"]  # a run's config as it was saved before presets had one
