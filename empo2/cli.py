@@ -150,7 +150,7 @@ def run_findings(history: list[dict]) -> list[str]:
         n = int(first[-1]["rollout/first_visit_gain_instances"])
         lines.append(f"training rollouts, later visits with tips minus the same instance's tip-free first visit: "
                      f"{first[-1]['rollout/first_visit_gain']:+.1f} ({plural(n, 'instance')})")
-    missed = int(sum(h.get("rollout/episodes_memory_miss", 0.0) for h in history))
+    missed = int(sum(h.get("rollout/episodes_mem_miss", 0.0) for h in history))
     if missed:
         lines.append(f"{plural(missed, 'rollout')} drawn with memory found no tip (counted apart, not as tip-free)")
     return lines

@@ -432,6 +432,36 @@ class TrainConfig:
 MINISCI_HOUSE_FIELDS = ("num_rooms", "num_distractors", "num_decoys", "closed_doors", "hide_prob")
 GROUPS = ("model", "env", "algo", "rollout", "memory", "engine", "trainer", "logger", "debug")
 
+# ------------------------------------------------------------------------------------------ renamed names
+# Names stored runs may still use. A command line or preset naming an old key stops with one line naming the new
+# one (`_unknown_key`); a saved config read back (`empo2 eval` on a run folder, a grid meeting a finished run)
+# goes through `migrate_config`; a metric read from MLflow, a sweep file or an Optuna study through
+# `current_metric`. Tip-free and with-tips are `nomem` and `mem` everywhere, as validation has always named them.
+RENAMED_KEYS = {"model.gradient_checkpointing": "trainer.gradient_checkpointing",
+                "trainer.val_memory": "trainer.val_mem"}
+RENAMED_METRICS = {f"rollout/{stat}_{old}": f"rollout/{stat}_{new}" for stat in ("score", "episodes")
+                   for old, new in (("memory", "mem"), ("tipfree", "nomem"), ("memory_miss", "mem_miss"))}
+
+
+def current_metric(name: str) -> str:
+    """Today's name of a metric that stored runs may log under an older one (any other name unchanged)."""
+    return RENAMED_METRICS.get(name, name)
+
+
+def migrate_config(saved: dict) -> dict:
+    """A saved config (summary.json's `config`, written by any earlier version) in today's keys, as a new dict:
+    each renamed key's value under its new name (a knob that existed in both places, gradient checkpointing, is
+    on where either was)."""
+    out = json.loads(json.dumps(saved))
+    for old, new in RENAMED_KEYS.items():
+        (old_group, old_name), (new_group, new_name) = old.split("."), new.split(".")
+        if old_name not in out.get(old_group, {}):
+            continue
+        value = out[old_group].pop(old_name)
+        kept = out.setdefault(new_group, {}).get(new_name)
+        out[new_group][new_name] = bool(value or kept) if isinstance(kept, bool) else value
+    return out
+
 
 def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
     m = f.metadata

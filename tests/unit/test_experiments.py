@@ -194,6 +194,12 @@ def test_bad_sweep_files_name_the_file_and_key(tmp_path, text, needle):
     assert str(e.value).startswith(str(path)) and needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_sweep_file_naming_a_renamed_metric_optimises_it_under_its_new_name(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(SWEEP_HEAD + "metric: rollout/score_tipfree\nspace:\n  algo.p: [0.1]\n")
+    assert load_sweep(path).metric == "rollout/score_nomem"
+
+
 def test_sweep_overrides_are_typed_for_hydra(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(SWEEP_HEAD + "space:\n  algo.mode_granularity: [step, batch]\n"
