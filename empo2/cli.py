@@ -218,7 +218,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     # the `model=` option that selects each preset (conf/model/<option>.yaml names it)
     option = {}
     for opt in group_options("model"):
-        name = OmegaConf.load(CONF_DIR / "model" / f"{opt}.yaml").get("name")
+        data = OmegaConf.load(CONF_DIR / "model" / f"{opt}.yaml")
+        name = data.get("model", data).get("name")  # a preset written at the top level (@package _global_) nests it
         option.setdefault(name, opt)
     rows = [(f"model={option.get(name, name)}", status, f"{desc} [{name}]") for name, status, desc in preset_status()]
     width = max(len(r[0]) for r in rows)

@@ -54,9 +54,6 @@ class ModelConfig:
                      "it, then upcasts only its shard) and of the frozen copies; float32 is exact and fastest on "
                      "CPUs without bf16 units.", choices=("float32", "bfloat16", "float16"))
     seed: int = opt(0, "Seed of the `tiny` model's random weights (other presets ignore it).", ge=0)
-    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, slower "
-                                       "updates (each layer runs forward twice). Needed for 7B models on long "
-                                       "histories.")
     lora_r: int = opt(0, "LoRA rank; 0 trains all weights. LoRA cuts optimizer memory, but the paper trains "
                       "full weights.", ge=0)
     lora_alpha: int = opt(32, "LoRA scaling numerator (effective scale alpha / r).", gt=0)
@@ -360,7 +357,11 @@ class TrainerConfig:
     gradient_checkpointing: bool = opt(False, "Recompute each decoder layer's activations in the backward pass "
                                        "instead of keeping them from the forward: the update's activation memory "
                                        "shrinks to about one layer's, for one more forward per micro-batch "
-                                       "(benchmarks/experiment_throughput.py measures both). Same gradients.")
+                                       "(benchmarks/experiment_throughput.py measures both). Same gradients. Set on "
+                                       "the policy after LoRA (non-reentrant, so frozen embeddings need no "
+                                       "gradient) and inside each FSDP unit; training only: `empo2 eval` and "
+                                       "generation never run a backward. The 7B preset (model=qwen2.5-7b) turns it "
+                                       "on, for long histories.")
     release_memory: bool = opt(False, "Before each micro-batch's backward, hand the memory the C allocator holds "
                                "free back to the OS (glibc `malloc_trim`; elsewhere nothing happens). The update's "
                                "tensors come and go in many sizes, and glibc keeps what they free in pieces it "
@@ -373,7 +374,7 @@ class TrainerConfig:
     grad_clip: float = opt(1.0, "Global gradient-norm clip.", gt=0)
     max_nonfinite_steps: int = opt(5, "Consecutive skipped non-finite steps before the run stops.", gt=0)
     val_every: int = opt(5, "Validate every this many iterations.", gt=0)
-    val_memory: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
+    val_mem: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
                            "(`val/*_nomem`) measures what the weights alone learned.")
     val_train: bool = opt(False, "Also validate on the training instances (the first `env.val_variations` of the "
                           "variations the run trains on), logged as `val_train/*`: with few training instances "
@@ -645,6 +646,8 @@ def _unknown_key(key: str) -> str:
         cls = type(section)
     group = ".".join(path)
     close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(cls)], n=3, cutoff=0.6)
+    if key.lstrip("+") in RENAMED_KEYS:
+        return f"{key}: no longer a key; use {RENAMED_KEYS[key.lstrip('+')]}"
     hint = f"; did you mean {' or '.join(f'{group}.{c}' if group else c for c in close)}?" if close else ""
     return f"{key}: unknown key{hint} (`empo2 config {group or 'train'}` lists the fields)"
 

@@ -84,7 +84,7 @@ def run_config(ckpt: Path | None, overrides: list[str]) -> TrainConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from empo2.config import _one_line
+    from empo2.config import _one_line, migrate_config
 
     for o in overrides:
         if "." not in o.partition("=")[0].lstrip("+"):
@@ -94,7 +94,7 @@ def run_config(ckpt: Path | None, overrides: list[str]) -> TrainConfig:
         schema = OmegaConf.structured(TrainConfig)
         OmegaConf.set_struct(schema, True)
         OmegaConf.set_struct(schema.logger.tags, False)
-        saved = json.loads(summary.read_text())["config"]
+        saved = migrate_config(json.loads(summary.read_text())["config"])  # a run saved under older key names
         merged = OmegaConf.merge(schema, saved, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:

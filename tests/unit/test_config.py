@@ -60,6 +60,9 @@ def test_every_field_is_documented():
         ("algo.foo=1", "algo.foo: unknown key"),
         ("+algo.foo=1", "algo.foo: unknown key"),
         ("+bar=1", "bar: unknown key"),
+        ("model.gradient_checkpointing=true", "model.gradient_checkpointing: no longer a key; use "
+                                              "trainer.gradient_checkpointing"),
+        ("trainer.val_memory=true", "trainer.val_memory: no longer a key; use trainer.val_mem"),
     ],
 )
 def test_bad_values_raise_one_line_naming_the_key(override, needle):
@@ -249,3 +252,21 @@ def test_tis_cap_is_off_by_default_and_at_least_one():
     assert load_config(["algo.tis_cap=2"]).algo.tis_cap == 2
     with pytest.raises(ConfigError, match=r"algo.tis_cap=0.5 is out of range: expected \[1, inf\)"):
         load_config(["algo.tis_cap=0.5"])
+
+
+def test_gradient_checkpointing_is_the_trainers_knob_and_the_7b_preset_turns_it_on():
+    assert not hasattr(TrainConfig().model, "gradient_checkpointing")
+    assert load_config(["model=qwen2.5-7b"]).trainer.gradient_checkpointing
+    assert not load_config(["model=qwen2.5-7b", "trainer.gradient_checkpointing=false"]).trainer.gradient_checkpointing
+
+
+def test_a_saved_config_with_old_keys_migrates_to_todays():
+    from empo2.config import migrate_config
+
+    saved = {"model": {"name": "tiny", "gradient_checkpointing": True},
+             "trainer": {"gradient_checkpointing": False, "val_memory": True}}
+    assert migrate_config(saved) == {"model": {"name": "tiny"},
+                                     "trainer": {"gradient_checkpointing": True, "val_mem": True}}
+    assert saved["model"]["gradient_checkpointing"]  # the saved dict itself is left as it was
+    both_off = {"model": {"gradient_checkpointing": False}, "trainer": {"gradient_checkpointing": False}}
+    assert migrate_config(both_off)["trainer"] == {"gradient_checkpointing": False}
