@@ -113,7 +113,7 @@ def _assert_walkthrough_wins(env, task, variation):
     assert [r.done for r in results] == [False] * (len(gold) - 1) + [True]
     last = results[-1]
     assert last.info["won"] and last.info["score"] == 100 and not last.info["truncated"]
-    assert total == pytest.approx(1.0)  # reward_scale 0.01 times the 0-100 score
+    assert total == pytest.approx(100.0)  # the default reward_scale, the config's 1, times the 0-100 score
 
 
 @needs_textworld
