@@ -87,7 +87,7 @@ def test_random_policy_falls_into_the_trap():
 
 
 def test_wrong_focus_ends_the_episode_at_zero():
-    env = make_env("minisci")
+    env = make_env("minisci", reward_scale=0.01)
     for family in FAMILIES:
         env.reset(task=family, variation=0)
         gold = env.gold_actions()
