@@ -579,7 +579,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.trainer.precision == "bf16-true":
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} is not supported: it trains bfloat16 weights, "
                           "whose small updates round away; use bf16-mixed (float32 weights, bfloat16 compute)")
-    if ENV_CONFIGS.get(cfg.env.name) is not type(cfg.env):  # checked first: the schema decides which keys exist
+    if ENV_CONFIGS.get(cfg.env.name, type(cfg.env)) is not type(cfg.env):  # first: the schema decides the keys
         raise ConfigError(f"env.name={cfg.env.name} is not allowed with the settings of {type(cfg.env).__name__}: "
                           f"choose the environment with the env group (env={cfg.env.name})")
     for group_name in GROUPS + ("",):
