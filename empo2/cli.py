@@ -151,7 +151,7 @@ def run_findings(history: list[dict]) -> list[str]:
         n = int(first[-1]["rollout/first_visit_gain_instances"])
         lines.append(f"training rollouts, later visits with tips minus the same instance's tip-free first visit: "
                      f"{first[-1]['rollout/first_visit_gain']:+.1f} ({plural(n, 'instance')})")
-    missed = int(sum(h.get("rollout/episodes_memory_miss", 0.0) for h in history))
+    missed = int(sum(h.get("rollout/episodes_mem_miss", 0.0) for h in history))
     if missed:
         lines.append(f"{plural(missed, 'rollout')} drawn with memory found no tip (counted apart, not as tip-free)")
     return lines
@@ -219,7 +219,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     # the `model=` option that selects each preset (conf/model/<option>.yaml names it)
     option = {}
     for opt in group_options("model"):
-        name = OmegaConf.load(CONF_DIR / "model" / f"{opt}.yaml").get("name")
+        data = OmegaConf.load(CONF_DIR / "model" / f"{opt}.yaml")
+        name = data.get("model", data).get("name")  # a preset written at the top level (@package _global_) nests it
         option.setdefault(name, opt)
     rows = [(f"model={option.get(name, name)}", status, f"{desc} [{name}]") for name, status, desc in preset_status()]
     width = max(len(r[0]) for r in rows)

@@ -24,7 +24,6 @@ How the paper's mechanisms map onto these functions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -389,29 +388,6 @@ def agg_loss(
     return seq_loss.sum() / denom
 
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
-    """Decorator registering a policy loss under ``name`` (same signature as `policy_loss`)."""
-
-    def decorator(fn: Callable) -> Callable:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """The registered policy loss called ``name``."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
-
-
-@register_policy_loss("empo2")
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

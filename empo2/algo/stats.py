@@ -31,9 +31,9 @@ def memory_gain(values: Sequence[float], group_ids: Sequence[int], carried: Sequ
     for v, g, c, w in zip(values, group_ids, carried, wanted):
         if c or not w:  # carried tips, or drawn tip-free
             by_group.setdefault(int(g), ([], []))[0 if c else 1].append(float(v))
-    for with_tips, tip_free in by_group.values():
-        if with_tips and tip_free:
-            diffs.append(np.mean(with_tips) - np.mean(tip_free))
+    for mem, nomem in by_group.values():
+        if mem and nomem:
+            diffs.append(np.mean(mem) - np.mean(nomem))
     return (float(np.mean(diffs)) if diffs else math.nan), len(diffs)
 
 

@@ -65,9 +65,6 @@ class ModelConfig:
                      "it, then upcasts only its shard) and of the frozen copies; float32 is exact and fastest on "
                      "CPUs without bf16 units.", choices=("float32", "bfloat16", "float16"))
     seed: int = opt(0, "Seed of the `tiny` model's random weights (other presets ignore it).", ge=0)
-    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, slower "
-                                       "updates (each layer runs forward twice). Needed for 7B models on long "
-                                       "histories.")
     lora_r: int = opt(0, "LoRA rank; 0 trains all weights. LoRA cuts optimizer memory, but the paper trains "
                       "full weights.", ge=0)
     lora_alpha: int = opt(32, "LoRA scaling numerator (effective scale alpha / r).", gt=0)
@@ -77,11 +74,21 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------------- env
+ENV_NAME_HELP = ("Environment: `minisci` (embedded, microseconds per step), `scienceworld` (real JVM, milliseconds "
+                 "per step), `textworld` (optional extra). The `env` group's option selects it along with the "
+                 "settings of that environment alone; a key of another environment is refused.")
+
+
+def _env_name(default: str) -> Any:
+    return opt(default, ENV_NAME_HELP, choices=("minisci", "scienceworld", "textworld"))
+
+
 @dataclass
 class EnvConfig:
-    name: str = opt("minisci", "Environment: `minisci` (embedded, microseconds per step), `scienceworld` "
-                    "(real JVM, milliseconds per step), `textworld` (optional extra).",
-                    choices=("minisci", "scienceworld", "textworld"))
+    """What every environment takes. Each environment's own settings live in its subclass below, and each
+    `conf/env/*.yaml` option brings that subclass in as its schema (OmegaConf takes no Union)."""
+
+    name: str = _env_name("minisci")
     tasks: list = opt([], "Task names to train on; empty means every in-distribution task of the catalogue.")
     train_split: str = opt("train", "Variation split sampled for training rollouts.", choices=("train", "dev", "test"))
     train_variations: int | None = opt(None, "Train only on the first N variations of each task's train split "
@@ -105,22 +112,18 @@ class EnvConfig:
                            "validation score, at proportionally more validation time.", gt=0)
     max_steps: int | None = opt(None, "Episode step budget; null uses the environment's per-task table "
                                 "(ScienceWorld power-component 30, as in the released code).", gt=0, nullable=True)
-    simplification: str = opt("easy", "ScienceWorld simplification preset (the released code uses `easy`).")
-    clamp_score: bool = opt(True, "ScienceWorld: clamp the score at 0, so a wrong `focus on` (simulator score -100) "
-                            "ends the episode at 0 like any failure. False keeps -100 (released code): failing that "
-                            "way then costs more than not trying, which can teach the policy to avoid `focus on`.")
     action_correction: bool = opt(True, "Replace an invalid action by the valid action with the highest word "
                                   "Jaccard overlap (released code). Off: invalid actions cost a step and do nothing.")
     reward_scale: float = opt(1.0, "Extrinsic reward = change of score (0-100) times this. 1 keeps score points, as "
                               "the released code does, and β is set in those units: β·Σ_t 1/n(s_t) is then a few "
                               "points next to a 0-100 return. With 0.01 (a [0, 1] return) β=0.8 lets novelty "
                               "outweigh the task (measured on MiniSci: reports/headline_minisci).", gt=0)
-    call_timeout_s: float = opt(10.0, "Timeout of one call into an environment process; a hung JVM is "
-                                "restarted and its episode reported failed.", gt=0)
-    generation_timeout_s: float = opt(300.0, "TextWorld: limit on generating one game on first use (some "
-                                      "treasure-hunter levels take minutes); past it a clear error names the level.",
-                                      gt=0)
-    # MiniSci house difficulty (`empo2.envs.minisci.layout.Difficulty`). A variation is generated anew for each
+
+
+@dataclass
+class MiniSciConfig(EnvConfig):
+    name: str = _env_name("minisci")
+    # House difficulty (`empo2.envs.minisci.layout.Difficulty`). A variation is generated anew for each
     # setting, so the same variation id under two settings is two different houses.
     num_rooms: int = opt(6, "MiniSci: rooms in the house, hallway included. More rooms, longer searches.", ge=4, le=9)
     num_distractors: int = opt(2, "MiniSci: clutter objects per room; more makes observations and the valid-action "
@@ -130,6 +133,25 @@ class EnvConfig:
     closed_doors: bool = opt(False, "MiniSci: doors start closed and must be opened (like ScienceWorld without "
                              "`easy`): one more action per room.")
     hide_prob: float = opt(0.0, "MiniSci: chance that each key object starts inside a closed container.", ge=0, le=1)
+
+
+@dataclass
+class ScienceWorldConfig(EnvConfig):
+    name: str = _env_name("scienceworld")
+    simplification: str = opt("easy", "ScienceWorld simplification preset (the released code uses `easy`).")
+    clamp_score: bool = opt(True, "ScienceWorld: clamp the score at 0, so a wrong `focus on` (simulator score -100) "
+                            "ends the episode at 0 like any failure. False keeps -100 (released code): failing that "
+                            "way then costs more than not trying, which can teach the policy to avoid `focus on`.")
+    call_timeout_s: float = opt(10.0, "Timeout of one call into an environment process; a hung JVM is "
+                                "restarted and its episode reported failed.", gt=0)
+
+
+@dataclass
+class TextWorldConfig(EnvConfig):
+    name: str = _env_name("textworld")
+    generation_timeout_s: float = opt(300.0, "TextWorld: limit on generating one game on first use (some "
+                                      "treasure-hunter levels take minutes); past it a clear error names the level.",
+                                      gt=0)
 
 
 # ------------------------------------------------------------------------------------------------ algo
@@ -371,7 +393,11 @@ class TrainerConfig:
     gradient_checkpointing: bool = opt(False, "Recompute each decoder layer's activations in the backward pass "
                                        "instead of keeping them from the forward: the update's activation memory "
                                        "shrinks to about one layer's, for one more forward per micro-batch "
-                                       "(benchmarks/experiment_throughput.py measures both). Same gradients.")
+                                       "(benchmarks/experiment_throughput.py measures both). Same gradients. Set on "
+                                       "the policy after LoRA (non-reentrant, so frozen embeddings need no "
+                                       "gradient) and inside each FSDP unit; training only: `empo2 eval` and "
+                                       "generation never run a backward. The 7B preset (model=qwen2.5-7b) turns it "
+                                       "on, for long histories.")
     release_memory: bool = opt(False, "Before each micro-batch's backward, hand the memory the C allocator holds "
                                "free back to the OS (glibc `malloc_trim`; elsewhere nothing happens). The update's "
                                "tensors come and go in many sizes, and glibc keeps what they free in pieces it "
@@ -384,7 +410,7 @@ class TrainerConfig:
     grad_clip: float = opt(1.0, "Global gradient-norm clip.", gt=0)
     max_nonfinite_steps: int = opt(5, "Consecutive skipped non-finite steps before the run stops.", gt=0)
     val_every: int = opt(5, "Validate every this many iterations.", gt=0)
-    val_memory: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
+    val_mem: bool = opt(False, "Also validate with memory on (`val/*_mem`), doubling validation time; memory off "
                            "(`val/*_nomem`) measures what the weights alone learned.")
     val_train: bool = opt(False, "Also validate on the training instances (the first `env.val_variations` of the "
                           "variations the run trains on), logged as `val_train/*`: with few training instances "
@@ -420,7 +446,7 @@ class DebugConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    env: EnvConfig = field(default_factory=MiniSciConfig)  # an environment's own subclass (ENV_CONFIGS)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -444,8 +470,53 @@ class TrainConfig:
     torch_threads: int = opt(0, "torch intra-op threads; 0 uses all cores.", ge=0)
 
 
-MINISCI_HOUSE_FIELDS = ("num_rooms", "num_distractors", "num_decoys", "closed_doors", "hide_prob")
+ENV_CONFIGS: dict[str, type[EnvConfig]] = {"minisci": MiniSciConfig, "scienceworld": ScienceWorldConfig,
+                                           "textworld": TextWorldConfig}
+COMMON_ENV_FIELDS = tuple(f.name for f in dataclasses.fields(EnvConfig))
+
+
+def own_env_fields(cls: type[EnvConfig]) -> tuple[str, ...]:
+    """The settings only this environment has (its constructor's own arguments)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in COMMON_ENV_FIELDS)
+
+
+MINISCI_HOUSE_FIELDS = own_env_fields(MiniSciConfig)
 GROUPS = ("model", "env", "algo", "rollout", "memory", "engine", "trainer", "logger", "debug")
+
+# ------------------------------------------------------------------------------------------ renamed names
+# Names stored runs may still use. A command line or preset naming an old key stops with one line naming the new
+# one (`_unknown_key`); a saved config read back (`empo2 eval` on a run folder, a grid meeting a finished run)
+# goes through `migrate_config`; a metric read from MLflow, a sweep file or an Optuna study through
+# `current_metric`. Tip-free and with-tips are `nomem` and `mem` everywhere, as validation has always named them.
+RENAMED_KEYS = {"model.gradient_checkpointing": "trainer.gradient_checkpointing",
+                "trainer.val_memory": "trainer.val_mem"}
+RENAMED_METRICS = {f"rollout/{stat}_{old}": f"rollout/{stat}_{new}" for stat in ("score", "episodes")
+                   for old, new in (("memory", "mem"), ("tipfree", "nomem"), ("memory_miss", "mem_miss"))}
+
+
+def current_metric(name: str) -> str:
+    """Today's name of a metric that stored runs may log under an older one (any other name unchanged)."""
+    return RENAMED_METRICS.get(name, name)
+
+
+def migrate_config(saved: dict) -> dict:
+    """A saved config (summary.json's `config`, written by any earlier version) in today's keys, as a new dict:
+    each renamed key's value under its new name (a knob that existed in both places, gradient checkpointing, is
+    on where either was); the env section keeps only its environment's fields (configs saved while one class held
+    every environment's fields carry the others' too, which that environment never read)."""
+    out = json.loads(json.dumps(saved))
+    for old, new in RENAMED_KEYS.items():
+        (old_group, old_name), (new_group, new_name) = old.split("."), new.split(".")
+        if old_name not in out.get(old_group, {}):
+            continue
+        value = out[old_group].pop(old_name)
+        kept = out.setdefault(new_group, {}).get(new_name)
+        out[new_group][new_name] = bool(value or kept) if isinstance(kept, bool) else value
+    env = out.get("env")
+    if isinstance(env, dict) and env.get("name") in ENV_CONFIGS:
+        kept_fields = {f.name for f in dataclasses.fields(ENV_CONFIGS[env["name"]])}
+        out["env"] = {k: v for k, v in env.items() if k in kept_fields}
+    return out
 
 
 def _check_field(key: str, f: dataclasses.Field, value: Any) -> None:
@@ -523,6 +594,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.trainer.precision == "bf16-true":
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} is not supported: it trains bfloat16 weights, "
                           "whose small updates round away; use bf16-mixed (float32 weights, bfloat16 compute)")
+    if ENV_CONFIGS.get(cfg.env.name, type(cfg.env)) is not type(cfg.env):  # first: the schema decides the keys
+        raise ConfigError(f"env.name={cfg.env.name} is not allowed with the settings of {type(cfg.env).__name__}: "
+                          f"choose the environment with the env group (env={cfg.env.name})")
     for group_name in GROUPS + ("",):
         obj = getattr(cfg, group_name) if group_name else cfg
         prefix = f"{group_name}." if group_name else ""
@@ -539,18 +613,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                               "which the model=minisci_tips* presets select, sets that layout)")
     if cfg.resume not in ("never", "auto") and not Path(cfg.resume).expanduser().is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not allowed: expected never, auto or an existing checkpoint file")
-    if cfg.env.name != "minisci":
-        house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
-        changed = [f for f, v in house.items() if v != getattr(EnvConfig, f)]
-        if changed:
-            raise ConfigError(f"env.{changed[0]}={house[changed[0]]} is not allowed: it sets the MiniSci house, "
-                              f"and env.name={cfg.env.name}")
     if cfg.memory.tip_format == "raw" and cfg.rollout.prompt_template != "released":
         raise ConfigError(f"memory.tip_format=raw is not allowed with rollout.prompt_template="
                           f"{cfg.rollout.prompt_template}: that template puts each tip on one line of its own")
-    if not cfg.env.clamp_score and cfg.env.name != "scienceworld":
-        raise ConfigError(f"env.clamp_score=False is not allowed with env.name={cfg.env.name}: only ScienceWorld has "
-                          "negative scores")
     if cfg.logger.name == "mlflow" and not cfg.logger.experiment.strip():
         raise ConfigError(f"logger.experiment={cfg.logger.experiment!r} is not allowed: MLflow needs an experiment "
                           "name (or logger=none)")
@@ -589,16 +654,22 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     overrides, preset = experiment_override(list(overrides or []))
     register_presets()  # the `empo2-presets://` source of conf/train.yaml's search path
     # The dataclasses are the schema under the YAML files (`- empo2_schema` heads train.yaml's defaults), so
-    # every documented field can be overridden even where a group's YAML does not mention it.
-    ConfigStore.instance().store(name="empo2_schema", node=TrainConfig)
+    # every documented field can be overridden even where a group's YAML does not mention it. Its env section holds
+    # the fields every environment has; each `conf/env/*.yaml` names its environment's subclass
+    # (`- <name>_schema`), which OmegaConf merges in as the section's type, so another environment's key is unknown.
+    store = ConfigStore.instance()
+    store.store(name="empo2_schema", node=TrainConfig(env=EnvConfig()))
+    for env_name, env_cls in ENV_CONFIGS.items():
+        store.store(group="env", name=f"{env_name}_schema", node=env_cls)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
             raw = compose(config_name=config_name, overrides=overrides)
-        schema = OmegaConf.structured(TrainConfig)
-        OmegaConf.set_struct(schema, True)  # unknown keys are errors, not silently kept
-        OmegaConf.set_struct(schema.logger.tags, False)  # free-form: any tag name is allowed
-        _reject_unknown_keys(OmegaConf.to_container(raw, resolve=False), TrainConfig, "")
+        env_cls = OmegaConf.get_type(raw.env)
+        if env_cls is EnvConfig:  # an env option that names no schema: its env.name's
+            env_cls = ENV_CONFIGS.get(raw.env.name, EnvConfig)
+        schema = config_schema(env_cls)
+        _reject_unknown_keys(OmegaConf.to_container(raw, resolve=False), TrainConfig(env=env_cls()), "")
         merged = OmegaConf.merge(schema, raw)
         merged.experiment = preset  # the preset as given: a name of experiments/ or a file's path
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
@@ -611,24 +682,41 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     return validate(cfg)
 
 
-def _reject_unknown_keys(node: dict, cls: type, prefix: str) -> None:
+def config_schema(env_cls: type[EnvConfig]):
+    """The structured OmegaConf schema of a run on the environment `env_cls` configures: unknown keys are errors,
+    logger tags free-form."""
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(TrainConfig(env=env_cls()))
+    OmegaConf.set_struct(schema, True)  # unknown keys are errors, not silently kept
+    OmegaConf.set_struct(schema.logger.tags, False)  # free-form: any tag name is allowed
+    return schema
+
+
+def _reject_unknown_keys(node: dict, defaults: Any, prefix: str) -> None:
     """`+group.key=value` adds keys Hydra does not know; with the schema underneath, OmegaConf would keep
     them silently, so every key is checked against the dataclass fields (dict-typed fields are free-form)."""
-    defaults = cls()
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(defaults)}
     for key, value in node.items():
         if key not in names:
-            raise ConfigError(_unknown_key(f"{prefix}{key}"))
+            env = type(defaults) if prefix == "env." else None
+            raise ConfigError(_unknown_key(f"{prefix}{key}", None if isinstance(value, dict) else value, env))
         group = getattr(defaults, key)
         if dataclasses.is_dataclass(group) and isinstance(value, dict):
-            _reject_unknown_keys(value, type(group), f"{prefix}{key}.")
+            _reject_unknown_keys(value, group, f"{prefix}{key}.")
 
 
-def _unknown_key(key: str) -> str:
-    """`algo.pp: unknown key; did you mean algo.p? ...`: the closest fields of the key's group (difflib)."""
+def _unknown_key(key: str, value: Any = None, env: type | None = None) -> str:
+    """`algo.pp: unknown key; did you mean algo.p? ...`: the closest fields of the key's group (difflib). A key
+    renamed since names its new name; a key of another environment (`env` the schema of this run's) names that."""
     import difflib
 
-    *path, name = key.split(".")
+    *path, name = key.lstrip("+").split(".")
+    owner = next((n for n, c in ENV_CONFIGS.items() if name in own_env_fields(c)), None)
+    if path == ["env"] and env in ENV_CONFIGS.values() and owner is not None:
+        shown = key if value is None else f"{key}={value}"
+        return (f"{shown} is not allowed with env.name={_env_key(env)}: it is a setting of env.name={owner} "
+                f"(env={owner})")
     cls: type = TrainConfig
     for part in path:
         section = getattr(cls(), part, None)
@@ -637,8 +725,14 @@ def _unknown_key(key: str) -> str:
         cls = type(section)
     group = ".".join(path)
     close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(cls)], n=3, cutoff=0.6)
+    if key.lstrip("+") in RENAMED_KEYS:
+        return f"{key}: no longer a key; use {RENAMED_KEYS[key.lstrip('+')]}"
     hint = f"; did you mean {' or '.join(f'{group}.{c}' if group else c for c in close)}?" if close else ""
     return f"{key}: unknown key{hint} (`empo2 config {group or 'train'}` lists the fields)"
+
+
+def _env_key(env: type) -> str:
+    return next(n for n, c in ENV_CONFIGS.items() if c is env)
 
 
 def _unknown_option(group: str, option: str) -> str:
@@ -670,7 +764,17 @@ def _one_line(e: Exception) -> str:
     if not key and lines and lines[0].startswith("Could not override '"):
         key = lines[0].split("'")[1]  # Hydra's message for `group.unknown=value`
     if key and any("not in struct" in ln or "not in '" in ln or "To append" in ln for ln in lines):
-        return _unknown_key(key)
+        from yaml import YAMLError, safe_load
+
+        text = "\n".join([str(e), str(cause or "")])
+        given = re.search(rf"use \+{re.escape(key.lstrip('+'))}=(.*)$", text, re.M)  # Hydra quotes the override
+        try:
+            value = safe_load(given.group(1)) if given else None
+        except YAMLError:
+            value = given.group(1)
+        typed = re.search(r"object_type=(\w+)", text)
+        env = next((c for c in ENV_CONFIGS.values() if typed and c.__name__ == typed.group(1)), None)
+        return _unknown_key(key, value, env)
     head = lines[0] if lines else type(e).__name__
     return f"{key}: {head}" if key and key not in head else head
 
@@ -724,13 +828,21 @@ def describe(section: str | None = None) -> str:
         raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}, "
                           "experiment")
     options = f"options {', '.join(group_options(section))}" if section != "train" else "root fields"
+    if section == "env":  # the fields every environment has, then each one's own
+        lines = field_lines(EnvConfig(), prefix)
+        for name, cls in ENV_CONFIGS.items():
+            lines += [f"  {name} only (env.name={name}):", *field_lines(cls(), prefix, own_env_fields(cls))]
+        return "\n".join([f"{section} ({options}):", *lines])
     return "\n".join([f"{section} ({options}):", *field_lines(obj, prefix)])
 
 
-def field_lines(obj: Any, prefix: str) -> list[str]:
-    """Two lines per documented field of a config dataclass: its default and range, then its documentation."""
+def field_lines(obj: Any, prefix: str, only: tuple[str, ...] | None = None) -> list[str]:
+    """Two lines per documented field of a config dataclass (those named in `only`, if given): its default and
+    range, then its documentation."""
     lines = []
     for f in dataclasses.fields(obj):
+        if only is not None and f.name not in only:
+            continue
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             continue

@@ -1,7 +1,7 @@
 """ScienceWorld (the `scienceworld` package: a Scala simulator behind py4j) as a `TextEnv`.
 
 `make_env("scienceworld", simplification="easy", max_steps=None, action_correction=True,
-reward_scale=0.01, call_timeout_s=10.0, jar_path=None, seed=None, task=None)`.
+reward_scale=1.0, call_timeout_s=10.0, jar_path=None, seed=None, task=None)`.
 
 Fast path. The package's `ScienceWorldEnv.step` recomputes the full valid-action list (plus look,
 inventory and task description) after every action, several times the cost of the action itself
@@ -23,7 +23,8 @@ common with any valid action stays invalid instead of becoming the first valid a
 Scores. The simulator's score is in [0, 1] (-1 after a wrong "focus on", which ends the episode);
 `info["score"]` is round(100 * score) clamped at 0. The reward is the change of that clamped score
 times `reward_scale`, counted from 0 at reset, so an episode's rewards sum to
-final_score * reward_scale (in [0, 1] by default) even when a task grants points at the start.
+final_score * reward_scale (score points by default, as `env.reward_scale`) even when a task grants points at the
+start.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class ScienceWorldTextEnv:
     """
 
     def __init__(self, simplification: str = "easy", max_steps: int | None = None,
-                 action_correction: bool = True, reward_scale: float = 0.01, call_timeout_s: float = 10.0,
+                 action_correction: bool = True, reward_scale: float = 1.0, call_timeout_s: float = 10.0,
                  jar_path: str | None = None, seed: int | None = None, task: str | None = None,
                  clamp_score: bool = True) -> None:
         self.simplification = check_simplification(simplification)

@@ -1,6 +1,6 @@
 """Microsoft TextWorld (the optional `textworld` extra) as a `TextEnv`: generated games, played offline.
 
-`make_env("textworld", max_steps=None, action_correction=True, reward_scale=0.01, seed=None, task=None,
+`make_env("textworld", max_steps=None, action_correction=True, reward_scale=1.0, seed=None, task=None,
 generation_timeout_s=300.0)`; `reset(task="tw-coin_collector/5", variation=3)`. Tasks, levels, splits
 and the game cache are described in `empo2.envs.textworld_games`; a game is generated on the first
 reset of its variation, in any process, and read from the cache afterwards.
@@ -98,7 +98,7 @@ class TextWorldEnv:
             generating the same game included); past it `reset` raises GenerationTimeout.
     """
 
-    def __init__(self, max_steps: int | None = None, action_correction: bool = True, reward_scale: float = 0.01,
+    def __init__(self, max_steps: int | None = None, action_correction: bool = True, reward_scale: float = 1.0,
                  seed: int | None = None, task: str | None = None, generation_timeout_s: float = 300.0) -> None:
         _require_textworld()
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):

@@ -191,10 +191,10 @@ class RolloutCallback(L.Callback):
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Score the fixed validation list (`val/*`), and with `trainer.val_train` the training instances
-        (`val_train/*`), without memory and, with `trainer.val_memory`, with it; each instance's score as
+        (`val_train/*`), without memory and, with `trainer.val_mem`, with it; each instance's score as
         `<prefix>/score_<mode>/<task>-<variation>` besides the mean, and the time it took (`time/validation_s`)."""
         t0, out = time.perf_counter(), {}
-        with_memory = self.cfg.trainer.val_memory and self.collector.memory is not None
+        with_memory = self.cfg.trainer.val_mem and self.collector.memory is not None
         modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
         lists = [("val", self.val_tasks, ())] + ([("val_train", self.train_val_tasks, (1,))]
                                                  if self.train_val_tasks else [])

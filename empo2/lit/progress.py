@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 PHASE_UNITS = {"rollouts": "episodes", "update": "steps", "validation": "episodes"}
 # (history key, label, format) of the numbers the plain line shows; the bar shows those labelled BAR_STATS
 STATS = (("rollout/score", "score", ".1f"), ("rollout/success", "success", ".2f"),
-         ("rollout/score_memory", "with tips", ".1f"), ("rollout/score_tipfree", "tip-free", ".1f"),
+         ("rollout/score_mem", "with tips", ".1f"), ("rollout/score_nomem", "tip-free", ".1f"),
          ("val/score_nomem", "val", ".1f"), ("memory/size", "memory", ".0f"))
 BAR_STATS = ("score", "success", "memory")
 

@@ -64,8 +64,6 @@ def load_policy(cfg: ModelConfig):
     from empo2.models.attention import use_grouped_sdpa  # here: it loads transformers, which `empo2 models` need not
 
     use_grouped_sdpa(model)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg)
     return model, tok

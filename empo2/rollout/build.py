@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from empo2.config import MINISCI_HOUSE_FIELDS, TrainConfig
+from empo2.config import TrainConfig, own_env_fields
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.memory import Embedder, TipMemory
 from empo2.rollout.collector import CollectorSettings, RolloutCollector
@@ -15,17 +15,12 @@ from empo2.rollout.prompts import PromptBuilder
 
 
 def env_kwargs(cfg: TrainConfig) -> dict:
-    """Constructor arguments of the configured environment (ScienceWorld takes a few more)."""
+    """Constructor arguments of the configured environment: the common ones, then every setting of its own config
+    class (the MiniSci house, ScienceWorld's simplification, ...), each named as the constructor names it."""
     kw = {"action_correction": cfg.env.action_correction, "reward_scale": cfg.env.reward_scale}
     if cfg.env.max_steps is not None:
         kw["max_steps"] = cfg.env.max_steps
-    if cfg.env.name == "scienceworld":
-        kw.update(simplification=cfg.env.simplification, call_timeout_s=cfg.env.call_timeout_s,
-                  clamp_score=cfg.env.clamp_score)
-    if cfg.env.name == "minisci":
-        kw.update({f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS})
-    if cfg.env.name == "textworld":
-        kw["generation_timeout_s"] = cfg.env.generation_timeout_s
+    kw.update({f: getattr(cfg.env, f) for f in own_env_fields(type(cfg.env))})
     return kw
 
 

@@ -348,12 +348,13 @@ class RolloutCollector:
             "memory/size": float(len(self.memory)) if self.memory is not None else 0.0,
             "time/rollout_s": wall,
         }
-        # Per rollout kind: with tips, drawn tip-free, and drawn in memory mode but finding no tip (`memory_miss`,
-        # mostly an instance's first draw: never counted as tip-free). The pooled scores describe; what the tips
-        # add is `memory_gain`, like for like within groups (`empo2.algo.stats.memory_gain`), on the score.
-        kinds = {"memory": [tr for tr in trajs if tr.carried_tips],
-                 "tipfree": [tr for tr in trajs if not tr.wanted_tips],
-                 "memory_miss": [tr for tr in trajs if tr.wanted_tips and not tr.carried_tips]}
+        # Per rollout kind: with tips (`mem`), drawn tip-free (`nomem`, as validation names it), and drawn in memory
+        # mode but finding no tip (`mem_miss`, mostly an instance's first draw: never counted as tip-free). The
+        # pooled scores describe; what the tips add is `memory_gain`, like for like within groups
+        # (`empo2.algo.stats.memory_gain`), on the score.
+        kinds = {"mem": [tr for tr in trajs if tr.carried_tips],
+                 "nomem": [tr for tr in trajs if not tr.wanted_tips],
+                 "mem_miss": [tr for tr in trajs if tr.wanted_tips and not tr.carried_tips]}
         for name, group in kinds.items():
             stats[f"rollout/episodes_{name}"] = float(len(group))
             if group:

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from empo2.algo.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
-from empo2.config import ConfigError
+from empo2.config import ConfigError, current_metric
 
 # scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
 # EMPO² with GRPO like for like
@@ -154,6 +154,17 @@ def _memory_gain(client, run) -> dict[str, float]:
     return {} if gain is None else {GAIN: gain[0], GAIN_GROUPS: float(gain[1])}
 
 
+def _logged(run) -> dict[str, float]:
+    """A run's final metrics under today's names (a run logged before a rename keeps its old names in MLflow)."""
+    return {current_metric(k): v for k, v in run.data.metrics.items()}
+
+
+def _history(client, run, metric: str) -> list:
+    """A run's history of `metric`, read under the name the run logged it as."""
+    stored = next((k for k in run.data.metrics if k != metric and current_metric(k) == metric), metric)
+    return client.get_metric_history(run.info.run_id, stored)
+
+
 def _group_order(name: str) -> tuple:
     """Numeric groups (seeds, trial numbers) in numeric order, then the rest alphabetically."""
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
@@ -188,8 +199,9 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     if baseline is not None and baseline not in groups:
         raise ConfigError(f"--baseline {baseline!r} is not a group of {experiment!r} grouped by {group_by} "
                           f"(groups: {', '.join(sorted(groups, key=_group_order))})")
-    present = {k for r in finished for k in r.data.metrics}
-    metrics = list(metrics) if metrics else [m for m in DEFAULT_METRICS if m in present]
+    present = {k for r in finished for k in _logged(r)}
+    x = current_metric(x) if x else x
+    metrics = [current_metric(m) for m in metrics] if metrics else [m for m in DEFAULT_METRICS if m in present]
     missing = [m for m in metrics + ([x] if x else []) if m not in present]
     if missing or not metrics:
         raise ConfigError(f"metric {missing[0] if missing else '(none)'} is not logged by any run of {experiment!r} "
@@ -197,7 +209,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    finals = {r.info.run_id: dict(r.data.metrics) for r in finished}
+    finals = {r.info.run_id: _logged(r) for r in finished}
     gains = []  # derived per run: what the tips add like for like over the run, and on how many groups
     if "rollout/memory_gain" in present:
         for r in finished:
@@ -206,7 +218,7 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     before = []
     for m in (m for m in metrics if m.startswith("val")):  # validation before training is logged at step -1
         for r in finished:
-            first = [p.value for p in client.get_metric_history(r.info.run_id, m) if p.step < 0]
+            first = [p.value for p in _history(client, r, m) if p.step < 0]
             if first:
                 finals[r.info.run_id][f"{m} (before)"] = first[0]
         before += [f"{m} (before)"] if any(f"{m} (before)" in f for f in finals.values()) else []
@@ -352,8 +364,8 @@ def _plot_curve(client, groups: dict, metric: str, path: Path, x: str | None = N
     for name in sorted(groups, key=_group_order):
         runs = []
         for r in groups[name]:
-            ys = {p.step: p.value for p in client.get_metric_history(r.info.run_id, metric)}
-            runs.append((ys, {p.step: p.value for p in client.get_metric_history(r.info.run_id, x)} if x else None))
+            ys = {p.step: p.value for p in _history(client, r, metric)}
+            runs.append((ys, {p.step: p.value for p in _history(client, r, x)} if x else None))
         where, mean, std = group_curve(runs)
         if not len(where):
             continue

@@ -84,17 +84,15 @@ def run_config(ckpt: Path | None, overrides: list[str]) -> TrainConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from empo2.config import _one_line
+    from empo2.config import ENV_CONFIGS, MiniSciConfig, _one_line, config_schema, migrate_config
 
     for o in overrides:
         if "." not in o.partition("=")[0].lstrip("+"):
             raise ConfigError(f"{o!r}: the run's config is the base here; override single keys (env.tasks=..., "
                               "rollout.val_temperature=...), not whole groups")
     try:
-        schema = OmegaConf.structured(TrainConfig)
-        OmegaConf.set_struct(schema, True)
-        OmegaConf.set_struct(schema.logger.tags, False)
-        saved = json.loads(summary.read_text())["config"]
+        saved = migrate_config(json.loads(summary.read_text())["config"])  # a run saved under older key names
+        schema = config_schema(ENV_CONFIGS.get(saved.get("env", {}).get("name"), MiniSciConfig))
         merged = OmegaConf.merge(schema, saved, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
@@ -245,11 +243,11 @@ def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: st
             seed = derive_seed(cfg.seed, 2**23)
             episodes, new_tips = _play(collector, task_specs, rollouts, k, seed, evaluate=False, use_memory=None)
             # the same instances and seeds without tips: what the trial's memory adds, trial by trial
-            tipfree, _ = _play(collector, task_specs, rollouts, k, seed, evaluate=True, use_memory=False)
+            nomem, _ = _play(collector, task_specs, rollouts, k, seed, evaluate=True, use_memory=False)
             for entries in new_tips:
                 collector.memory.add(*entries)
             per_trial.append({"trial": k, **summarize(episodes), "memory_size": len(collector.memory),
-                              "nomem": summarize(tipfree)})
+                              "nomem": summarize(nomem)})
             t = per_trial[-1]
             print(f"trial {k}: score {t['score']:.1f} (tip-free {t['nomem']['score']:.1f}), success "
                   f"{t['success']:.2f} (tip-free {t['nomem']['success']:.2f}), {t['tips_retrieved']:.1f} tips "

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from empo2.config import ConfigError, TrainConfig, load_config, to_dict
+from empo2.config import ConfigError, TrainConfig, load_config, migrate_config, to_dict
 from empo2.config.experiments import check_keys, read_yaml, string_list
 from empo2.workflows.launch import WorkerPool, hydra_quote, last_line, log_run_files
 from empo2.workflows.runs import tracking_uri
@@ -113,7 +113,7 @@ def is_finished(run: GridRun) -> bool:
     summary_path = run.run_dir / "summary.json"
     if not summary_path.is_file():
         return False
-    saved = json.loads(summary_path.read_text()).get("config", {})
+    saved = migrate_config(json.loads(summary_path.read_text()).get("config", {}))  # saved under older key names
     wanted = json.loads(json.dumps(to_dict(run.cfg), default=str))
     for config in (saved, wanted):
         config.pop("description", None)  # documents the preset, changes no result (and runs before it had none)

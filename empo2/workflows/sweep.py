@@ -25,7 +25,7 @@ import os
 import time
 from pathlib import Path
 
-from empo2.config import ConfigError
+from empo2.config import ConfigError, current_metric
 from empo2.config.experiments import preset_config, preset_text
 from empo2.workflows.launch import WorkerPool, hydra_quote, last_line
 from empo2.workflows.runs import check_tracking, tracking_uri
@@ -89,7 +89,7 @@ def _open_study(spec: SweepSpec, storage_url: str):
                               f"{study.direction.name.lower()}; this file says {spec.direction}")
         attrs = study.user_attrs
         known = attrs.get("metric")
-        if known is not None and known != spec.metric:
+        if known is not None and current_metric(known) != spec.metric:  # a study made before a rename: renamed below
             raise ConfigError(f"{spec.path}: study {spec.study} optimises {known}; this file says {spec.metric}")
         space = {p.key: p.record() for p in spec.space}
         if attrs.get("space") is not None and attrs["space"] != space:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from empo2.config import ConfigError, TrainConfig, load_config
+from empo2.config import ConfigError, TrainConfig, current_metric, load_config
 from empo2.config.experiments import check_keys, read_yaml, string_list
 from empo2.workflows.launch import hydra_quote
 
@@ -187,6 +187,7 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple = ()) -> SweepSpec
     metric = data.get("metric", "val/score_nomem")
     if not isinstance(metric, str) or not metric:
         raise ConfigError(f"{path}: metric must be the name of a logged metric, e.g. val/score_nomem")
+    metric = current_metric(metric)  # a file written before a metric's rename optimises it under today's name
     for what, build in (("sampler", lambda: make_sampler(sampler, seed)), ("pruner", lambda: make_pruner(pruner))):
         try:
             build()

@@ -17,7 +17,7 @@ import sys
 
 import lightning as L
 
-from empo2.config import ConfigError, load_config
+from empo2.config import ConfigError, current_metric, load_config
 from empo2.workflows.launch import log_run_files
 from empo2.workflows.sweep import STORAGE_ENV
 from empo2.workflows.sweep_spec import make_pruner
@@ -75,7 +75,8 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
     cfg.logger.tags.update({"sweep": study_name, "trial": str(number)})
     if attrs.get("mlflow_parent_run_id"):
         cfg.logger.tags["mlflow.parentRunId"] = attrs["mlflow_parent_run_id"]  # how MLflow nests a run
-    pruning = PruneOnValidation(trial, attrs["metric"])
+    metric = current_metric(attrs["metric"])  # a study created before the metric's rename names it the old way
+    pruning = PruneOnValidation(trial, metric)
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         beating = Heartbeat(storage, trial_id, (attrs.get("heartbeat") or {}).get("interval", 60))
     else:  # a DDP rank re-running this command: rank 0 beats for the trial
@@ -84,7 +85,7 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
         summary = train(cfg, callbacks=[pruning])
     if not pruning.is_global_zero:
         return 0
-    value = summary["metrics"].get(attrs["metric"])
+    value = summary["metrics"].get(metric)
     State = optuna.trial.TrialState
     if pruning.pruned:
         state = State.PRUNED
@@ -92,7 +93,7 @@ def run_trial(study_name: str, number: int, overrides: list[str]) -> int:
     elif value is None or not math.isfinite(value):
         state = State.FAIL
         study.tell(number, state=state)
-        print(f"trial {number}: metric {attrs['metric']} is {value}; logged: {', '.join(sorted(summary['metrics']))}")
+        print(f"trial {number}: metric {metric} is {value}; logged: {', '.join(sorted(summary['metrics']))}")
     else:
         state = State.COMPLETE
         study.tell(number, float(value))

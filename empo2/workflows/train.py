@@ -151,7 +151,7 @@ def state_fingerprint(model) -> str:
 # panel keeps the extrinsic part and the novelty bonus apart, so a curve never mixes the two units
 CURVE_PANELS = (
     ("Score", "score (0-100)", (0, 100), ("val/score_nomem", "val/score_mem", "val_train/score_nomem",
-                                          "rollout/score", "rollout/score_memory", "rollout/score_tipfree")),
+                                          "rollout/score", "rollout/score_mem", "rollout/score_nomem")),
     ("Success", "success rate", (0, 1), ("val/success_nomem", "val/success_mem", "val_train/success_nomem",
                                          "rollout/success")),
     ("Return", "return per episode", None, ("rollout/ext_return", "rollout/intrinsic_return")),

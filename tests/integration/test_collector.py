@@ -312,15 +312,15 @@ def test_no_query_is_embedded_for_a_namespace_without_tips(policy, embedder):
     batch = collect(c)
     assert c.embedder.texts == 0 and not any(s.memory for s in batch.samples)
     # every rollout wanted tips and found none: counted apart, never as tip-free, and nothing to pair
-    assert batch.stats["rollout/episodes_memory_miss"] == len(TASKS) * N
-    assert batch.stats["rollout/episodes_tipfree"] == 0
+    assert batch.stats["rollout/episodes_mem_miss"] == len(TASKS) * N
+    assert batch.stats["rollout/episodes_nomem"] == 0
     assert batch.stats["rollout/memory_gain_groups"] == 0 and "rollout/memory_gain" not in batch.stats
     fill_memory(c)
     c.embedder.texts = 0
     batch = collect(c)
     assert c.embedder.texts == len(batch.samples) and all(s.memory for s in batch.samples)
-    assert batch.stats["rollout/score_memory"] == batch.stats["rollout/score"]
-    assert "rollout/score_tipfree" not in batch.stats  # every rollout carried tips
+    assert batch.stats["rollout/score_mem"] == batch.stats["rollout/score"]
+    assert "rollout/score_nomem" not in batch.stats  # every rollout carried tips
 
 
 def tips_shown_not_returned_for_a_tip_request(collector, tok) -> tuple[set[str], set[str]]:
@@ -410,7 +410,7 @@ def test_memory_gain_sets_tips_against_tip_free_rollouts_of_the_same_group(polic
     assert mixed, "no draw of 20 mixed tips and tip-free rollouts in a group"
     assert batch.stats["rollout/memory_gain_groups"] == len(mixed)
     assert batch.stats["rollout/memory_gain"] == pytest.approx(np.mean(mixed))
-    assert batch.stats["rollout/episodes_memory"] + batch.stats["rollout/episodes_tipfree"] == len(TASKS) * N
+    assert batch.stats["rollout/episodes_mem"] + batch.stats["rollout/episodes_nomem"] == len(TASKS) * N
 
 
 class LongerGroupEngine(RecordingEngine):

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from empo2.config import GROUPS, ConfigError, TrainConfig, load_config
+from empo2.config import ENV_CONFIGS, GROUPS, ConfigError, TrainConfig, load_config, own_env_fields
 
 
 def _fields():
@@ -51,6 +51,19 @@ def test_a_bad_value_is_rejected_with_one_line_naming_the_field(key, bad):
     assert "\n" not in message
     assert key in message, message
     assert "unknown key" not in message, message
+
+
+# the own fields of the environments the default config does not select, each under its env option
+ENV_CASES = [pytest.param(name, f"env.{f.name}", bad, id=f"env={name} env.{f.name}={bad}")
+             for name, cls in ENV_CONFIGS.items() if cls is not type(TrainConfig().env)
+             for f in dataclasses.fields(cls) if f.name in own_env_fields(cls) for bad in _bad_values(f)]
+
+
+@pytest.mark.parametrize(("env", "key", "bad"), ENV_CASES)
+def test_an_environments_own_field_rejects_a_bad_value_in_one_line(env, key, bad):
+    with pytest.raises(ConfigError) as err:
+        load_config([f"env={env}", f"{key}={bad}"])
+    assert "\n" not in str(err.value) and key in str(err.value) and "unknown key" not in str(err.value)
 
 
 @pytest.mark.parametrize("group", GROUPS + ("",))

@@ -203,7 +203,7 @@ def test_old_logprobs_run_on_the_shards_with_forwards_padded_to_the_busiest_rank
 @pytest.mark.slow
 # scored: the old log-probs come from the trainer's scoring pass (on the shards under FSDP, forwards padded to the
 # busiest rank's) instead of from generate, and the update that follows it must still reach every layer
-@pytest.mark.parametrize("extra", [[], ["model.lora_r=4", "model.gradient_checkpointing=true"],
+@pytest.mark.parametrize("extra", [[], ["model.lora_r=4", "trainer.gradient_checkpointing=true"],
                                    ["rollout.generation_logprobs=false"]],
                          ids=["full", "lora_checkpointing", "scored"])
 def test_fsdp_on_two_cpu_processes_matches_ddp_and_writes_one_full_checkpoint(tmp_path, fsdp_run, extra):

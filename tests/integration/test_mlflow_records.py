@@ -191,6 +191,31 @@ def test_compare_reports_where_each_group_started_and_pairs_groups_by_seed(tmp_p
         compare("grid", uri, tmp_path / "cmp2", baseline="grpo")
 
 
+def test_compare_reads_runs_logged_before_the_rollout_metrics_were_renamed(tmp_path):
+    """A run logged `rollout/score_tipfree` and `rollout/score_memory` (today `rollout/score_nomem`, `_mem`): its
+    values, curves and groups count under today's names, beside a run logged with them, whichever name is asked."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = experiment_id(client, "grid")
+    for seed, (nomem, mem) in ((("0", "rollout/score_tipfree", "rollout/score_memory"), (10.0, 30.0)),
+                               (("1", "rollout/score_nomem", "rollout/score_mem"), (20.0, 50.0))):
+        run_id = client.create_run(exp, tags={"kind": "train", "preset": "empo2", "seed": seed[0]}).info.run_id
+        for step in (0, 1):
+            client.log_metric(run_id, seed[1], nomem + step, step=step)
+            client.log_metric(run_id, seed[2], mem + step, step=step)
+        client.set_terminated(run_id)
+    for asked in (["rollout/score_nomem", "rollout/score_mem"], ["rollout/score_tipfree", "rollout/score_memory"]):
+        result = compare("grid", uri, tmp_path / "cmp", metrics=asked)
+        assert result["metrics"] == ["rollout/score_nomem", "rollout/score_mem"]
+        [row] = result["rows"]
+        assert row["runs"] == 2 and row["rollout/score_nomem"][0] == 16.0 and row["rollout/score_mem"][0] == 41.0
+    assert (tmp_path / "cmp" / "curve_rollout_score_nomem.png").is_file()
+    from empo2.workflows.compare import _history  # what the curves and the before-training values read
+
+    old = next(r for r in client.search_runs([exp]) if r.data.tags["seed"] == "0")
+    assert [p.value for p in _history(client, old, "rollout/score_nomem")] == [10.0, 11.0]
+
+
 def test_compare_resamples_seeds_then_instances_where_runs_logged_each_instance(tmp_path):
     """Validation logs each instance's score beside the mean: there the intervals are the two-level bootstrap
     (seeds, then instances), elsewhere the t-interval over seeds, and each table says which."""

@@ -37,7 +37,7 @@ class PhaseLog(L.Callback):
 def run(tmp_path_factory):
     """Two iterations of the tiny model, validated before training and after each iteration, tracked in MLflow."""
     root = tmp_path_factory.mktemp("phases")
-    cfg = load_config(FAST + ["trainer.val_before_train=true", "trainer.val_memory=true", "logger=mlflow",
+    cfg = load_config(FAST + ["trainer.val_before_train=true", "trainer.val_mem=true", "logger=mlflow",
                               f"run_root={root}", "run_name=r"])
     log = PhaseLog()
     return cfg, log, train(cfg, callbacks=[log])

@@ -33,7 +33,7 @@ needs_java = pytest.mark.needs("scienceworld", "java")
 @pytest.fixture(scope="module")
 def env():
     require("scienceworld", "java")
-    e = make_env("scienceworld")
+    e = make_env("scienceworld", reward_scale=0.01)  # rewards in [0, 1]: the sums below are fractions
     yield e
     e.close()
 

@@ -318,14 +318,14 @@ def test_memory_only_sets_later_visits_against_the_tip_free_first_visit_and_resu
     straight = train(load_config(three + ["run_name=a"]))
     rollouts = [h for h in straight["history"] if "rollout/return" in h]
     n_traj = 2 * 4  # tasks_per_batch x group_size
-    assert [h["rollout/episodes_memory_miss"] for h in rollouts] == [n_traj, 0, 0]
+    assert [h["rollout/episodes_mem_miss"] for h in rollouts] == [n_traj, 0, 0]
     assert all(h["rollout/memory_gain_groups"] == 0 and "rollout/memory_gain" not in h for h in rollouts)
     assert rollouts[0]["rollout/first_visit_gain_instances"] == 0 and "rollout/first_visit_gain" not in rollouts[0]
-    first = rollouts[0]["rollout/score_memory_miss"]
+    first = rollouts[0]["rollout/score_mem_miss"]
     for i in (1, 2):  # later visits, pooled over the iterations so far, minus the first visit
         later = rollouts[1:i + 1]
-        mean_later = sum(h["rollout/score_memory"] * h["rollout/episodes_memory"] for h in later) / \
-            sum(h["rollout/episodes_memory"] for h in later)
+        mean_later = sum(h["rollout/score_mem"] * h["rollout/episodes_mem"] for h in later) / \
+            sum(h["rollout/episodes_mem"] for h in later)
         assert rollouts[i]["rollout/first_visit_gain_instances"] == 1
         assert rollouts[i]["rollout/first_visit_gain"] == pytest.approx(mean_later - first)
     # a resumed run carries the visits over: its estimate is the uninterrupted run's

@@ -2,6 +2,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def test_every_group_option_composes_and_instantiates(rel):
     if group == "model" and option != "tiny" and option != "smollm2":
         overrides.append("model.path=/models/some-checkpoint")
     cfg = load_config(overrides)
-    assert isinstance(getattr(cfg, group), type(getattr(TrainConfig(), group)))
+    assert isinstance(getattr(cfg, group), typing.get_type_hints(TrainConfig)[group])
 
 
 def test_every_field_is_documented():
@@ -60,6 +61,9 @@ def test_every_field_is_documented():
         ("algo.foo=1", "algo.foo: unknown key"),
         ("+algo.foo=1", "algo.foo: unknown key"),
         ("+bar=1", "bar: unknown key"),
+        ("model.gradient_checkpointing=true", "model.gradient_checkpointing: no longer a key; use "
+                                              "trainer.gradient_checkpointing"),
+        ("trainer.val_memory=true", "trainer.val_memory: no longer a key; use trainer.val_mem"),
     ],
 )
 def test_bad_values_raise_one_line_naming_the_key(override, needle):
@@ -99,7 +103,8 @@ def test_minisci_house_settings_reach_the_env_and_are_refused_for_other_envs():
     kw = env_kwargs(load_config(["env.num_rooms=4", "env.num_decoys=0", "env.hide_prob=0.5"]))
     assert (kw["num_rooms"], kw["num_decoys"], kw["hide_prob"], kw["num_distractors"]) == (4, 0, 0.5, 2)
     assert "num_rooms" not in env_kwargs(load_config(["env=scienceworld"]))
-    with pytest.raises(ConfigError, match=r"^env.num_decoys=0 is not allowed: .*env.name=scienceworld$"):
+    with pytest.raises(ConfigError, match=r"^env.num_decoys=0 is not allowed with env.name=scienceworld: it is a "
+                                          r"setting of env.name=minisci \(env=minisci\)$"):
         load_config(["env=scienceworld", "env.num_decoys=0"])
 
 
@@ -255,3 +260,76 @@ def test_tis_cap_is_off_by_default_and_at_least_one():
     assert load_config(["algo.tis_cap=2"]).algo.tis_cap == 2
     with pytest.raises(ConfigError, match=r"algo.tis_cap=0.5 is out of range: expected \[1, inf\)"):
         load_config(["algo.tis_cap=0.5"])
+
+
+def test_gradient_checkpointing_is_the_trainers_knob_and_the_7b_preset_turns_it_on():
+    assert not hasattr(TrainConfig().model, "gradient_checkpointing")
+    assert load_config(["model=qwen2.5-7b"]).trainer.gradient_checkpointing
+    assert not load_config(["model=qwen2.5-7b", "trainer.gradient_checkpointing=false"]).trainer.gradient_checkpointing
+
+
+def test_a_saved_config_with_old_keys_migrates_to_todays():
+    from empo2.config import migrate_config
+
+    saved = {"model": {"name": "tiny", "gradient_checkpointing": True},
+             "trainer": {"gradient_checkpointing": False, "val_memory": True}}
+    assert migrate_config(saved) == {"model": {"name": "tiny"},
+                                     "trainer": {"gradient_checkpointing": True, "val_mem": True}}
+    assert saved["model"]["gradient_checkpointing"]  # the saved dict itself is left as it was
+    both_off = {"model": {"gradient_checkpointing": False}, "trainer": {"gradient_checkpointing": False}}
+    assert migrate_config(both_off)["trainer"] == {"gradient_checkpointing": False}
+
+
+SAVED_BY_MAIN = json.loads((Path(__file__).parent.parent / "data" / "saved_by_main" / "configs.json").read_text())
+
+
+def test_each_env_option_brings_its_environments_own_config_class():
+    from empo2.config import ENV_CONFIGS, MiniSciConfig, ScienceWorldConfig, TextWorldConfig
+
+    for option, cls in (("minisci", MiniSciConfig), ("scienceworld", ScienceWorldConfig),
+                        ("textworld", TextWorldConfig), ("textworld_treasure", TextWorldConfig)):
+        cfg = load_config([f"env={option}"])
+        assert type(cfg.env) is cls is ENV_CONFIGS[cfg.env.name]
+    assert not hasattr(load_config(["env=scienceworld"]).env, "num_rooms")
+    assert not hasattr(load_config([]).env, "simplification")
+    for cls in ENV_CONFIGS.values():  # each environment's own fields are documented too
+        assert all(len(f.metadata.get("help", "")) > 10 for f in dataclasses.fields(cls)), cls.__name__
+    with pytest.raises(ConfigError, match=r"^env.simplification=hard is not allowed with env.name=textworld: it is "
+                                          r"a setting of env.name=scienceworld \(env=scienceworld\)$"):
+        load_config(["env=textworld", "env.simplification=hard"])
+    with pytest.raises(ConfigError, match=r"^env.name=scienceworld is not allowed with the settings of "
+                                          r"MiniSciConfig: .*\(env=scienceworld\)$"):
+        load_config(["env.name=scienceworld"])
+
+
+@pytest.mark.parametrize("env", ["scienceworld", "minisci"])
+def test_a_run_folder_saved_by_an_earlier_version_evaluates_and_its_grid_resumes(tmp_path, env):
+    """A summary.json written before the renames (model.gradient_checkpointing, trainer.val_memory, one env class
+    holding every environment's fields): `empo2 eval` reads it into today's schema, and a grid asking for the same
+    run in today's keys counts it as finished."""
+    from empo2.config import to_dict
+    from empo2.workflows.evaluate import run_config
+    from empo2.workflows.grid import GridRun, is_finished
+
+    saved = SAVED_BY_MAIN[env]
+    assert "gradient_checkpointing" in saved["model"] and "num_rooms" in saved["env"]  # the old layout
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"config": saved}))
+    cfg = run_config(run_dir / "checkpoints" / "last.ckpt", ["env.val_variations=2"])
+    assert cfg.env.name == env and cfg.env.val_variations == 2
+    if env == "scienceworld":
+        assert cfg.trainer.gradient_checkpointing and cfg.trainer.val_mem and not hasattr(cfg.env, "num_rooms")
+        wanted = ["env=scienceworld", "model=tiny", "trainer.gradient_checkpointing=true", "trainer.val_mem=true",
+                  "logger=none"]
+    else:
+        assert cfg.env.num_rooms == 5 and not hasattr(cfg.env, "simplification")
+        wanted = ["model=tiny", "env.num_rooms=5", "logger=none"]
+    grid_cfg = load_config(wanted + [f"run_root={tmp_path}", "run_name=run"])
+    (run_dir / "summary.json").write_text(json.dumps({"config": {**saved, "run_root": str(tmp_path),
+                                                                 "run_name": "run"}}))  # as the grid saved it
+    assert is_finished(GridRun("p", 0, wanted, grid_cfg))
+    other = load_config(wanted + [f"run_root={tmp_path}", "run_name=run", "trainer.lr=0.5"])
+    with pytest.raises(ConfigError, match="trainer.lr=1e-05 \\(this grid wants 0.5\\)"):
+        is_finished(GridRun("p", 0, wanted, other))
+    assert to_dict(cfg)["env"].keys() == to_dict(grid_cfg)["env"].keys()

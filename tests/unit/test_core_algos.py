@@ -544,23 +544,6 @@ def test_verl_token_mean_over_one_sample_micro_batches_is_seq_mean_token_mean():
     assert ca.agg_loss(loss_mat, mask, "token-mean").item() == pytest.approx(26 / 7)
 
 
-def test_policy_loss_registry():
-    assert ca.get_policy_loss("empo2") is ca.policy_loss
-    with pytest.raises(ValueError, match="unknown policy loss"):
-        ca.get_policy_loss("nope")
-
-    @ca.register_policy_loss("_test_vanilla")
-    def vanilla(*args, **kwargs):
-        return ca.policy_loss(*args, dual_clip_c=None, **kwargs)
-
-    try:
-        assert ca.get_policy_loss("_test_vanilla") is vanilla
-        with pytest.raises(ValueError, match="already registered"):
-            ca.register_policy_loss("_test_vanilla")(vanilla)
-    finally:
-        del ca.POLICY_LOSSES["_test_vanilla"]
-
-
 # ----------------------------------------------------------------------------------------------
 # optional terms
 # ----------------------------------------------------------------------------------------------

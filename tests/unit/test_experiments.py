@@ -184,6 +184,7 @@ def test_a_best_yaml_in_the_former_format_still_loads_through_the_migration(tmp_
 
 def test_a_sweep_writes_its_best_trial_as_a_hydra_preset_that_composes_as_the_former_file(tmp_path):
     import optuna
+
     from empo2.workflows.sweep import _write_best
 
     sweep = tmp_path / "s.yaml"
@@ -341,6 +342,12 @@ def test_bad_sweep_files_name_the_file_and_key(tmp_path, text, needle):
     with pytest.raises(ConfigError) as e:
         load_sweep(path)
     assert str(e.value).startswith(str(path)) and needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sweep_file_naming_a_renamed_metric_optimises_it_under_its_new_name(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(SWEEP_HEAD + "metric: rollout/score_tipfree\nspace:\n  algo.p: [0.1]\n")
+    assert load_sweep(path).metric == "rollout/score_nomem"
 
 
 def test_sweep_overrides_are_typed_for_hydra(tmp_path):

@@ -87,7 +87,7 @@ def test_random_policy_falls_into_the_trap():
 
 
 def test_wrong_focus_ends_the_episode_at_zero():
-    env = make_env("minisci")
+    env = make_env("minisci", reward_scale=0.01)
     for family in FAMILIES:
         env.reset(task=family, variation=0)
         gold = env.gold_actions()
@@ -302,6 +302,21 @@ def test_every_listed_valid_action_is_accepted(family):
             assert not trial.step(candidate).info["invalid_action"], candidate
         env.step(action)
         env.step(rng.choice([a for a in env.valid_actions() if not a.startswith("focus on ")]))
+
+
+def test_every_environment_defaults_to_the_configs_reward_scale():
+    """`make_env` callers get the reward a run gets: score points (env.reward_scale's default)."""
+    import inspect
+
+    from empo2.config import EnvConfig
+    from empo2.envs.minisci.env import MiniSciEnv
+    from empo2.envs.scienceworld import ScienceWorldTextEnv
+    from empo2.envs.textworld import TextWorldEnv
+
+    for cls in (MiniSciEnv, ScienceWorldTextEnv, TextWorldEnv):
+        assert inspect.signature(cls).parameters["reward_scale"].default == EnvConfig.reward_scale, cls.__name__
+    env = make_env("minisci")
+    assert sum(r.reward for r in run_gold(env, "change-state", 4)) == pytest.approx(100.0)
 
 
 def test_reward_is_the_scaled_score_change_and_episodes_truncate():

@@ -28,8 +28,8 @@ def test_eta_extrapolates_the_mean_time_of_the_iterations_run_here():
 
 def test_the_last_iteration_has_no_time_left_and_hours_show_as_such():
     assert eta_line(23, 24, 24, 4000.0, {}).endswith("elapsed 1:06:40  ETA 0:00")
-    assert "with tips 30.0  tip-free 10.0" in eta_line(0, 2, 1, 1.0, {"rollout/score_memory": 30.0,
-                                                                   "rollout/score_tipfree": 10.0})
+    assert "with tips 30.0  tip-free 10.0" in eta_line(0, 2, 1, 1.0, {"rollout/score_mem": 30.0,
+                                                                   "rollout/score_nomem": 10.0})
 
 
 def test_a_phase_counts_in_its_own_unit_and_tells_its_listener():

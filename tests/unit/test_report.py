@@ -6,10 +6,10 @@ def test_findings_set_validation_before_beside_after_and_the_memory_gain_like_fo
     history = [
         {"iteration": -1, "val/score_nomem": 10.0, "val_train/score_nomem": 20.0},
         {"iteration": 0, "rollout/memory_gain": 30.0, "rollout/memory_gain_groups": 1.0,
-         "rollout/episodes_memory_miss": 5.0},
+         "rollout/episodes_mem_miss": 5.0},
         {"iteration": 1, "rollout/memory_gain_groups": 0.0, "val/score_nomem": 15.0, "val_train/score_nomem": 30.0},
         {"iteration": 2, "rollout/memory_gain": -6.0, "rollout/memory_gain_groups": 3.0,
-         "rollout/episodes_memory_miss": 1.0},
+         "rollout/episodes_mem_miss": 1.0},
     ]
     lines = run_findings(history)
     assert lines[0] == "tip-free validation score (held out): 10.0 before training -> 15.0 after"
@@ -25,15 +25,15 @@ def test_findings_set_validation_before_beside_after_and_the_memory_gain_like_fo
 def test_findings_of_memory_only_use_the_first_visit_and_say_only_what_the_history_holds():
     assert run_findings([]) == []
     grpo = [{"iteration": 2, "val/score_nomem": 40.0, "rollout/memory_gain_groups": 0.0,
-             "rollout/episodes_tipfree": 4.0}]
+             "rollout/episodes_nomem": 4.0}]
     assert run_findings(grpo) == ["tip-free validation score (held out): 40.0 after training"]
     assert run_memory_gain(grpo) is None  # no group held both kinds: no estimate, not zero
     memory_only = [  # p = 1: the estimate over the run so far, its last value the run's
-        {"iteration": 0, "rollout/memory_gain_groups": 0.0, "rollout/episodes_memory_miss": 24.0,
+        {"iteration": 0, "rollout/memory_gain_groups": 0.0, "rollout/episodes_mem_miss": 24.0,
          "rollout/first_visit_gain_instances": 0.0},
         {"iteration": 1, "rollout/memory_gain_groups": 0.0, "rollout/first_visit_gain": 12.5,
          "rollout/first_visit_gain_instances": 1.0},
-        {"iteration": 2, "rollout/memory_gain_groups": 0.0, "rollout/episodes_memory_miss": 8.0,
+        {"iteration": 2, "rollout/memory_gain_groups": 0.0, "rollout/episodes_mem_miss": 8.0,
          "rollout/first_visit_gain": 20.0, "rollout/first_visit_gain_instances": 3.0},
     ]
     assert run_findings(memory_only) == [

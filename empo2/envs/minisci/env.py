@@ -69,7 +69,7 @@ class MiniSciEnv:
         self,
         max_steps: int | None = None,
         action_correction: bool = True,
-        reward_scale: float = 0.01,
+        reward_scale: float = 1.0,
         seed: int = 0,
         num_rooms: int = 6,
         num_distractors: int = 2,
