@@ -84,7 +84,9 @@ class RolloutCallback(L.Callback):
         # Built here, once the strategy has opened the process group: under ddp/fsdp vLLM then joins it (an
         # engine per rank) rather than opening a one-process group of its own, which the strategy would then
         # take for the whole world.
-        engine = self.worker.engine or engine_for(self.cfg, pl_module.policy, self.worker.builder.tokenizer)
+        engine = self.worker.engine
+        if engine is None:
+            engine = engine_for(self.cfg, pl_module.policy, self.worker.builder.tokenizer)
         self.worker.attach_engine(engine, trainer.global_rank)
         self._engine_synced = False
 

@@ -27,6 +27,7 @@ from empo2 import core_algos
 from empo2.envs import TaskSpec, TextEnv
 from empo2.memory import Embedder, TipMemory, episode_entries, sanitize_tip
 from empo2.rollout.engines import GenerationEngine, SamplingParams
+from empo2.rollout.novelty import NoveltyCounter
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import RolloutBatch, StepSample, Trajectory
 from empo2.stats import memory_gain
@@ -49,34 +50,6 @@ def released_chat_text(task: str, history: list[tuple[str, str]], observation: s
 def draw_seed(generator: torch.Generator) -> int:
     """The seed of one `generate` call, drawn from the call's generator."""
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-
-
-class NoveltyCounter:
-    """Visit counts n(s) keyed by `env.state_key()`; they persist across iterations (and checkpoints),
-    so a state stays familiar once the agent has seen it, which is what makes 1/n(s) an exploration
-    bonus rather than per-episode noise."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-
-    def visit_step(self, keys: list[str]) -> list[int]:
-        """Count every visit of one lock-step step, then read n(s) for each: rollouts that reach the same
-        state at the same step get the same count, so the bonus is a function of the batch, never of the
-        order the environments are stepped in (counting one environment at a time would pay the
-        lowest-indexed rollout more, and std-normalised advantages would blow that up into a signal
-        that encodes the rollout index)."""
-        for key in keys:
-            self.counts[key] = self.counts.get(key, 0) + 1
-        return [self.counts[key] for key in keys]
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-    def state_dict(self) -> dict:
-        return {"counts": dict(self.counts)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
 
 
 @dataclass
@@ -123,9 +96,9 @@ class RolloutWorker:
               engine: GenerationEngine | None = None) -> RolloutWorker:
         """A worker over other environments, memory or engine that shares everything else with this one, its
         novelty counter included."""
-        return RolloutWorker(engine or self.engine, self.builder, self.envs if envs is None else envs,
-                             self.memory if memory is None else memory, self.embedder, self.max_episode_steps,
-                             self.special_tokens, self.rank, self.novelty)
+        return RolloutWorker(self.engine if engine is None else engine, self.builder,
+                             self.envs if envs is None else envs, self.memory if memory is None else memory,
+                             self.embedder, self.max_episode_steps, self.special_tokens, self.rank, self.novelty)
 
     # -------------------------------------------------------------------------------------- Algorithm 1
     def collect(self, spec: CollectionSpec, tasks: list[TaskSpec], group_size: int, iteration: int,
@@ -134,24 +107,22 @@ class RolloutWorker:
         draw the memory and update modes; step every live environment, with tips retrieved for the memory-mode
         ones; let the policy write a tip per episode into memory; mix the returns with the intrinsic reward into
         group advantages. `on_step(finished, episodes)` hears after every lock-step how many of the episodes have
-        ended (the progress bar's count). Every draw comes from `generator`, in the same order whatever the call."""
+        ended (the progress bar's count). Every draw comes from `generator`: the modes first, then one seed per
+        generate call."""
         t_start = time.perf_counter()
-        play = self._start(spec, tasks, group_size, generator)
+        play = self._start(spec, tasks, group_size, generator)  # memory modes (prob. p), off-policy (prob. q)
         params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=spec.max_new_tokens,
                                 logprobs=spec.record_logprobs)
         for t in range(self.max_episode_steps):
             if not self.engine.group_has_work(bool(play.live)):  # a rank whose episodes ended still joins the calls
                 break
-            tips = self._retrieve(spec, play, t)
-            self._act(spec, play, t, tips, params, generator)
+            tips = self._retrieve(spec, play, t)  # Retr(s_t; M) for the rollouts in memory mode
+            self._act(spec, play, t, tips, params, generator)  # a_t ~ pi(. | prompt), env.step, counts of n(s)
             if on_step is not None:
                 on_step(len(play.trajs) - len(play.live), len(play.trajs))
-        new_tips, tips_added = self._write_tips(spec, play, iteration, generator)
-        self._assign_advantages(spec, play)
-        if self.has_memory and not spec.scoring:
-            for traj in play.trajs:
-                if traj.tips_used:
-                    self.memory.update_utility(sorted(traj.tips_used), traj.ext_return)
+        new_tips, tips_added = self._write_tips(spec, play, iteration, generator)  # tip ~ pi(. | episode) into M
+        self._assign_advantages(spec, play)  # R = R_ext + beta * sum_t r_int, group advantages
+        self._credit_tips(spec, play)
         samples = [smp for traj in play.trajs for smp in traj.samples]
         stats = self._stats(play, samples, tips_added, time.perf_counter() - t_start)
         return RolloutBatch(samples=samples, trajectories=play.trajs, stats=stats, new_tips=new_tips)
@@ -321,6 +292,14 @@ class RolloutWorker:
         vectors = self.embedder.encode(keys) if keys else np.zeros((0, self.memory.dim), dtype=np.float32)
         play.timing["memory"] += time.perf_counter() - t0
         return texts, vectors, metas
+
+    def _credit_tips(self, spec: CollectionSpec, play: Episodes) -> None:
+        """Each tip a training episode's prompts carried takes that episode's extrinsic return into its utility."""
+        if not self.has_memory or spec.scoring:
+            return
+        for traj in play.trajs:
+            if traj.tips_used:
+                self.memory.update_utility(sorted(traj.tips_used), traj.ext_return)
 
     # ------------------------------------------------------------------------------------ returns
     def _assign_advantages(self, spec: CollectionSpec, play: Episodes) -> None:
