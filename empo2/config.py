@@ -551,6 +551,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if unbounded:
             raise ConfigError(f"engine.max_model_len is required with engine.name=vllm and {unbounded}: prompts have "
                               "no bound to derive vLLM's longest request from; give it in tokens")
+    if cfg.algo.tis_cap is not None and cfg.engine.name == "hf" and cfg.rollout.top_p < 1:
+        raise ConfigError(f"algo.tis_cap={cfg.algo.tis_cap} has no effect with engine.name=hf and rollout.top_p="
+                          f"{cfg.rollout.top_p}: HF records no engine log-probs under a nucleus, so every weight is 1")
     if cfg.trainer.micro_batch_size > cfg.trainer.mini_batch_size:
         raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} is out of range: "
                           f"expected <= trainer.mini_batch_size={cfg.trainer.mini_batch_size}")

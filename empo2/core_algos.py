@@ -554,8 +554,9 @@ def truncated_is_weights(
     valid = response_mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=old_logprobs.device)
     log_ratio = torch.where(valid, old_logprobs.detach().float() - engine_logprobs.detach().float(), zero)
-    # clamped at log(cap) before exp: a huge log-ratio never overflows, and min(exp(x), cap) is unchanged
-    return torch.exp(log_ratio.clamp(max=math.log(cap))).clamp(max=cap)  # (B, T)
+    # a truncated token's weight is exactly `cap` (exp(log(cap)) can round below it, e.g. cap 7); an overflow to inf
+    # truncates like any other ratio above the cap
+    return torch.exp(log_ratio).clamp(max=cap)  # (B, T)
 
 
 def logprob_gap(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor) -> dict[str, float]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -265,12 +266,19 @@ class RolloutDataModule(L.LightningDataModule):
         needs), so collective ops never wait on a rank that ran out of data; and the loss normalisers, the valid
         tokens and responses of each global mini-batch (every rank's k-th mini-batch together: the plans are a
         function of each rank's samples and seed, so counting them here gives the counts the stream will yield).
-        Returns the mini-batches per epoch, 0 when no rank has a sample."""
-        busiest = torch.tensor([len(samples)], device=device)
+        Returns the mini-batches per epoch, 0 when no rank has a sample, and 0 on every rank when one rank has none
+        (all its steps dropped as overlong, say): its zero-weight padding repeats one of its own samples, so it
+        could not take part in the collective steps; the iteration's update is skipped, said in one line."""
+        sizes = torch.tensor([len(samples), -len(samples)], device=device)  # one MAX gives the most and the fewest
         if world_size > 1:
-            dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-        n_mini, micro_per_mini = step_counts(int(busiest.item()), world_size, self.mini_batch_size,
-                                             self.micro_batch_size)
+            dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        busiest, fewest = int(sizes[0].item()), -int(sizes[1].item())
+        if fewest == 0 < busiest:
+            if rank == 0:
+                print(f"empo2: iteration {iteration}: a rank has no sample to train on; the update is skipped on "
+                      f"every rank", file=sys.stderr, flush=True)
+            busiest = 0
+        n_mini, micro_per_mini = step_counts(busiest, world_size, self.mini_batch_size, self.micro_batch_size)
         normalisers = None
         if world_size > 1 and n_mini > 0:  # n_mini is the same on every rank: all or none of them reduce
             if self.token_budget is not None:  # the cut depends on each rank's sample sizes

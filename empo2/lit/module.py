@@ -327,12 +327,16 @@ class EMPO2Module(L.LightningModule):
         KL reference alike (each rank holds 1/N of it, not a whole copy); then, under every strategy, the trainable
         weights become float32 master weights (`float32_master_weights`; after sharding, so each rank upcasts only its
         shard). A checkpoint's weights and optimizer state, whatever their dtype, are then loaded into float32 (torch
-        casts optimizer state to its parameter's dtype)."""
+        casts optimizer state to its parameter's dtype). The KL reference is converted alike: it then computes at the
+        policy's precision (a bfloat16 copy would not, wherever the residual stream and norms run in the parameters'
+        dtype: 32-true, or bf16-mixed on a CPU), so the KL starts at exactly 0, the upcast weights being identical."""
         if isinstance(self.trainer.strategy, FSDP2Strategy):
             self.trainer.strategy.shard(self.policy)
             if self.ref_policy is not None:
                 self.trainer.strategy.shard(self.ref_policy, frozen=True)
         float32_master_weights(self.policy)
+        if self.ref_policy is not None:
+            float32_master_weights(self.ref_policy, frozen=True)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

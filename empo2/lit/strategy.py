@@ -56,8 +56,9 @@ def shard_policy(policy, mesh, mp_policy: MixedPrecisionPolicy, frozen: bool = F
     fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=frozen)
 
 
-def float32_master_weights(policy) -> None:
-    """The trainable parameters in float32, in place, whatever dtype the weights were read in (`model.dtype`).
+def float32_master_weights(policy, frozen: bool = False) -> None:
+    """The trainable parameters in float32, in place, whatever dtype the weights were read in (`model.dtype`);
+    `frozen=True` converts every parameter (the KL reference: see `EMPO2Module.configure_model`).
 
     AdamW keeps its state in its parameters' dtype, and a bfloat16 weight (8 significant bits) drops any update
     smaller than about 2^-9 of itself: at lr 1e-6 nearly every one. So the weights that train, and their optimizer
@@ -65,10 +66,13 @@ def float32_master_weights(policy) -> None:
     TRL. Frozen parameters (a LoRA base) keep the dtype they were read in; so do buffers. Under FSDP2 it runs after
     `shard_policy`, on the DTensor shards (FSDP2 re-registers each converted shard), so no rank ever holds the whole
     model in float32. Idempotent: nothing happens when every trainable parameter is float32 already."""
-    def upcast(t: torch.Tensor) -> torch.Tensor:  # `_apply` hands over each parameter itself: requires_grad is there
-        return t.float() if t.requires_grad and t.is_floating_point() else t
+    def converted(t: torch.Tensor) -> bool:  # `_apply` hands over each parameter itself: requires_grad is there
+        return t.is_floating_point() and (t.requires_grad or (frozen and isinstance(t, torch.nn.Parameter)))
 
-    if all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad):
+    def upcast(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if converted(t) else t
+
+    if all(p.dtype == torch.float32 for p in policy.parameters() if converted(p)):
         return
     with torch.no_grad():
         # `_apply` rather than `.data =` per parameter: it is the conversion FSDP2 supports on sharded modules

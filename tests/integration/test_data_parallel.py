@@ -208,3 +208,32 @@ def test_two_uneven_ranks_compute_the_gradient_and_metrics_of_their_union(strate
         assert max(masked) > 0 or bf16  # the delta mask is active
         moved = steps0[agg][-1]["weights"]
         assert any(not torch.equal(moved[n], w) for n, w in steps0[agg][0]["weights"].items())  # later steps too
+
+
+CASES = {"an_empty_rank": (3, 0), "both_hold_samples": (3, 2)}  # samples on rank 0, rank 1
+
+
+def _set_rollouts_rank(rank: int, port: int, results) -> None:
+    """`set_rollouts` on this rank's share of each case: the mini-batches it will run, per case."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    dm = RolloutDataModule(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1, seed=0)
+    n_mini = {}
+    for case, counts in CASES.items():
+        samples = [StepSample(behaviour_ids=[1], train_ids=[1], response_ids=[2, 3], memory=False, offpolicy=False,
+                              group_id=0, traj_id=i, step=0) for i in range(counts[rank])]
+        n_mini[case] = dm.set_rollouts(samples, [torch.zeros(2)] * len(samples), 0, rank, 2)
+    dist.destroy_process_group()
+    results.put((rank, n_mini))
+
+
+def test_a_rank_without_samples_skips_the_update_on_every_rank_instead_of_hanging(capfd):
+    """A rank with no sample (all its steps dropped as overlong, say) cannot pad its mini-batches with one of its
+    own samples: every rank agrees to skip the iteration's update (0 mini-batches) and says so once, where the rank
+    once raised and left its peers waiting in the next collective."""
+    expected = {"an_empty_rank": 0, "both_hold_samples": 2}
+    assert spawn_ranks(_set_rollouts_rank, timeout=120) == [(0, expected), (1, expected)]
+    said = capfd.readouterr().err.count("a rank has no sample to train on; the update is skipped on every rank")
+    assert said == 1

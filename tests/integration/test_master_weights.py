@@ -49,9 +49,14 @@ def dtype_report(module, optimizer) -> dict:
         return sorted({str(_local(t).dtype) for t in tensors})
 
     frozen = [p for p in module.policy.parameters() if not p.requires_grad]
+    ref = module.ref_policy
     return {"trainable": names(trainable), "frozen": names(frozen), "state": names(state),
             "states": len(optimizer.state),
-            "ref": names(module.ref_policy.parameters()) if module.ref_policy is not None else [],
+            "ref": names(ref.parameters()) if ref is not None else [],
+            # the reference's parameters are the policy's, dtype and value (so the KL is exactly 0 before a step)
+            "ref_is_policy": ref is not None and all(
+                r.dtype == p.dtype and torch.equal(_local(r), _local(p))
+                for r, p in zip(ref.parameters(), module.policy.parameters(), strict=True)),
             "sharded": all(isinstance(t, DTensor) for t in trainable + state)}
 
 
@@ -137,15 +142,17 @@ def test_a_checkpoint_with_bfloat16_weights_and_state_resumes_into_float32(repro
 
 
 @pytest.mark.parametrize("extra", [["algo.kl_coef=0.1"], ["model.lora_r=4"]], ids=["kl_reference", "lora"])
-def test_frozen_copies_keep_the_load_dtype_and_lora_adapters_are_float32(tmp_path, extra):
-    """The KL reference copy, and a LoRA base, stay bfloat16 (read in, never trained); the trainable parameters
-    (all of them; the LoRA adapters, which peft makes float32 itself) and their state are float32."""
+def test_a_lora_base_keeps_the_load_dtype_and_the_kl_reference_computes_like_the_policy(tmp_path, extra):
+    """A LoRA base stays bfloat16 (read in, never trained); the trainable parameters (all of them; the LoRA adapters,
+    which peft makes float32 itself) and their state are float32; the KL reference copy is float32 like the policy
+    and, before the first step, equal to it (a bfloat16 reference computes differently: the KL would not start
+    at 0)."""
     probe = DtypeProbe()
     train(load_config(REPRO + extra + [f"run_root={tmp_path}", "run_name=r"]), callbacks=[probe])
     step = probe.seen["step"]
     assert step["trainable"] == step["state"] == [F32]
     if "algo.kl_coef=0.1" in extra:
-        assert step["ref"] == [BF16] and step["frozen"] == []
+        assert step["ref"] == [F32] and step["frozen"] == [] and probe.seen["start"]["ref_is_policy"]
     else:
         assert step["ref"] == [] and step["frozen"] == [BF16]
 

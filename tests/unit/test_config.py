@@ -232,6 +232,12 @@ def test_the_largest_request_is_the_action_prompt_with_its_tips_or_the_tip_reque
     assert max_request_tokens(load_config(base + ["rollout.tips_in_history=true"])) is None
 
 
+def test_a_tis_cap_that_cannot_weigh_anything_is_refused():
+    with pytest.raises(ConfigError, match=r"^algo.tis_cap=2.0 has no effect with engine.name=hf and rollout.top_p=0.9"):
+        load_config(["algo.tis_cap=2", "rollout.top_p=0.9"])
+    assert load_config(["algo.tis_cap=2"]).algo.tis_cap == 2.0  # top_p = 1: HF records every token's log-prob
+
+
 @pytest.mark.parametrize("unbounded", ["rollout.overlong=drop", "rollout.tips_in_history=true"])
 def test_vllm_needs_an_explicit_max_model_len_where_prompts_are_unbounded(unbounded):
     with pytest.raises(ConfigError, match=rf"^engine.max_model_len is required with engine.name=vllm and "

@@ -781,6 +781,10 @@ def test_truncated_is_weights_by_hand():
     # a huge log-ratio is truncated without overflowing
     assert ca.truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-1e4]]), torch.ones(1, 1, dtype=bool),
                                    3.0).item() == 3.0
+    # a truncated token weighs exactly the cap, which the truncated-fraction metric counts by (exp(log 7) < 7)
+    for cap in (2.0, 3.0, 5.0, 7.0, 10.0):
+        assert ca.truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-20.0]]), torch.ones(1, 1, dtype=bool),
+                                       cap).item() == cap
     with pytest.raises(ValueError, match="cap must be > 0"):
         ca.truncated_is_weights(old, engine, valid, cap=0.0)
 
