@@ -111,7 +111,7 @@ mutation: $(STAMP)
 	$(PY) benchmarks/mutation.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check empo2 tests benchmarks research
+	$(VENV)/bin/ruff check empo2 tests benchmarks recipes
 	$(VENV)/bin/lint-imports
 
 clean:

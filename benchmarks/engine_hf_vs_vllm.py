@@ -65,7 +65,7 @@ class Clock(L.Callback):
 
 
 def demo_run(engine: str, iterations: int, root: Path) -> dict:
-    from empo2.train import train
+    from empo2.workflows.train import train
 
     clock = Clock()
     cfg = load_config([f"engine={engine}", f"trainer.iterations={iterations}", "logger=none", f"run_root={root}",

@@ -3,7 +3,7 @@
 Each commit's tree (`git archive`, so the working tree is not touched) trains in its own process, the
 commits alternating (A B A B ...) so a slow spell of a shared machine hits both; each configuration and
 commit runs `--repeats` times (the demo configurations `--demo-repeats` times) and reports its fastest run
-(the least disturbed estimate). A run is `empo2.train.train` with the configuration's own settings and
+(the least disturbed estimate). A run is `empo2.workflows.train.train` with the configuration's own settings and
 `trainer.iterations=--iterations` (`--demo-iterations`):
 
 - `headline`: the first run of `experiments/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
@@ -62,7 +62,7 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     from empo2.config import load_config
     from empo2.lit import callbacks as cb_mod
     from empo2.lit import checkpoint_io, module
-    from empo2.train import train
+    from empo2.workflows.train import train
 
     try:  # the rollout worker, or in a commit from before it the collector that played its part
         from empo2.rollout.worker import RolloutWorker as Rollouts
@@ -70,7 +70,7 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
         from empo2.rollout.collector import RolloutCollector as Rollouts
 
     if config == "headline":
-        from empo2.grid import plan_grid
+        from empo2.workflows.grid import plan_grid
 
         _, runs = plan_grid(tree / "experiments" / "headline_minisci.yaml", seeds=[0],
                             overrides=[f"run_root={run_root}", f"trainer.iterations={iterations}"])

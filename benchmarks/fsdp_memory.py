@@ -35,8 +35,8 @@ import empo2
 from empo2.config import load_config
 from empo2.lit.callbacks import RolloutCallback
 from empo2.lit.module import EMPO2Module
-from empo2.train import train
 from empo2.utils import quiet_libraries
+from empo2.workflows.train import train
 
 # the run: minimal, as the issue measures it (1 iteration, 2 instances x 2 rollouts of at most 3 steps)
 RUN = ["engine=vllm", "engine.kv_cache_gib=0.5", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",

@@ -97,8 +97,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from empo2.config import ModelConfig
-    from empo2.model_io import ensure_smollm2
     from empo2.models import apply_lora
+    from empo2.models.io import ensure_smollm2
     from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
     from empo2.rollout.prompts import PromptBuilder
 
@@ -280,7 +280,7 @@ def main() -> int:
 
         from empo2.config import load_config
         from empo2.lit.strategy import hf_model, unsharded
-        from empo2.train import train
+        from empo2.workflows.train import train
 
         class Probe(L.Callback):
             metrics: dict | None = None
@@ -321,7 +321,7 @@ def main() -> int:
         from torch.distributed.tensor import DTensor
 
         from empo2.config import load_config
-        from empo2.train import train
+        from empo2.workflows.train import train
 
         def kinds(tensors) -> list[str]:
             return sorted({f"{type(t).__name__} {(t.to_local() if isinstance(t, DTensor) else t).dtype}"
@@ -440,8 +440,8 @@ def main() -> int:
 
     @check("engine_gap")
     def _():
+        from empo2.algo.core_algos import logprob_gap
         from empo2.config import AlgoConfig, TrainerConfig
-        from empo2.core_algos import logprob_gap
         from empo2.lit.data import RolloutBuffer
         from empo2.lit.module import EMPO2Module
         from empo2.rollout.types import StepSample

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from empo2.algo.core_algos import logprob_gap
 from empo2.config import AlgoConfig, ModelConfig, TrainerConfig
-from empo2.core_algos import logprob_gap
 from empo2.envs import get_catalogue, make_env
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module

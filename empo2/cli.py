@@ -37,7 +37,7 @@ SUBCOMMANDS = {
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from empo2.config import load_config
-    from empo2.train import train
+    from empo2.workflows.train import train
 
     cfg = load_config(args.overrides)
     if args.cfg:  # the resolved config of this command line, nothing run
@@ -52,7 +52,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # whatever started it (`export_ranks`)
     if os.environ.get("RANK", "0") != "0":
         return 0
-    from empo2.launch import log_run_files
+    from empo2.workflows.launch import log_run_files
 
     log_run_files(summary)  # config as MLflow params, curve and summary.json as artifacts
     print_report(summary)
@@ -64,8 +64,8 @@ def interrupt(signum=None, frame=None):
     the middle of a checkpoint write, which finishes first (`utils.uninterrupted`)."""
     import signal
 
-    from empo2.errors import Interrupted
     from empo2.utils import hold_interrupt
+    from empo2.utils.errors import Interrupted
 
     if hold_interrupt(interrupt):
         return
@@ -78,7 +78,7 @@ def _interruptible(run, cfg, overrides: list[str]):
     command that resumes the run; exit status 130. A second Ctrl-C stops at once."""
     import signal
 
-    from empo2.errors import Interrupted
+    from empo2.utils.errors import Interrupted
 
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
@@ -104,7 +104,7 @@ def _last_checkpoint(run_dir: Path) -> tuple[Path, int] | None:
     """(newest readable checkpoint, the last iteration it completed, 0-based), None without one."""
     import torch
 
-    from empo2.train import find_resume_checkpoint
+    from empo2.workflows.train import find_resume_checkpoint
 
     folder = run_dir / "checkpoints"
     path = find_resume_checkpoint(folder) if folder.is_dir() else None
@@ -117,7 +117,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from empo2.config import describe
 
     if args.section == "launcher":  # job resources of `--launcher slurm`, outside the run config
-        from empo2.slurm import describe_launcher
+        from empo2.workflows.slurm import describe_launcher
 
         print(describe_launcher())
         return 0
@@ -130,8 +130,8 @@ def run_findings(history: list[dict]) -> list[str]:
     after training (held out and on the training instances), and what the tips add like for like: within the
     groups (one instance, iteration and set of weights) that held both rollouts with tips and tip-free ones,
     or for p = 1 against the same instance's tip-free first visit."""
-    from empo2.compare import run_memory_gain
     from empo2.utils import plural
+    from empo2.workflows.compare import run_memory_gain
 
     lines = []
     for key, label in (("val/score_nomem", "tip-free validation score (held out)"),
@@ -198,7 +198,7 @@ def print_report(summary: dict) -> None:
     print(f"  learning curve       {summary['plot']}")
     uri = summary.get("mlflow_tracking_uri")
     if uri:
-        from empo2.tracking import ui_link
+        from empo2.workflows.tracking import ui_link
 
         print(f"  MLflow run           {summary['mlflow_run_id']} in {uri}")
         served = uri.startswith(("http://", "https://"))
@@ -228,7 +228,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from empo2.evaluate import EVAL_OPTIONS, evaluate, int_option, parse_kv, resolve_checkpoint, run_config
+    from empo2.workflows.evaluate import EVAL_OPTIONS, evaluate, int_option, parse_kv, resolve_checkpoint, run_config
 
     opts, overrides = parse_kv(args.rest, EVAL_OPTIONS)
     if "ckpt" not in opts:
@@ -242,7 +242,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_adapt(args: argparse.Namespace) -> int:
-    from empo2.evaluate import ADAPT_OPTIONS, adapt, int_option, parse_kv, resolve_checkpoint, run_config
+    from empo2.workflows.evaluate import ADAPT_OPTIONS, adapt, int_option, parse_kv, resolve_checkpoint, run_config
 
     opts, overrides = parse_kv(args.rest, ADAPT_OPTIONS)
     ckpt = resolve_checkpoint(opts["ckpt"]) if "ckpt" in opts else None
@@ -254,7 +254,7 @@ def _cmd_adapt(args: argparse.Namespace) -> int:
 
 
 def _cmd_grid(args: argparse.Namespace) -> int:
-    from empo2.grid import grid_status, run_grid
+    from empo2.workflows.grid import grid_status, run_grid
 
     if args.status:
         rows = grid_status(args.file, seeds=args.seeds, overrides=args.overrides)
@@ -271,7 +271,7 @@ def _cmd_grid(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from empo2.sweep import run_sweep
+    from empo2.workflows.sweep import run_sweep
 
     result = run_sweep(args.file, workers=args.workers, overrides=args.overrides, n_trials=args.n_trials,
                        timeout=args.timeout, storage=args.storage, launcher=args.launcher)
@@ -279,7 +279,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from empo2.compare import compare
+    from empo2.workflows.compare import compare
 
     uri = args.tracking_uri or f"sqlite:///{Path(args.run_root).expanduser().resolve() / 'mlflow.db'}"
     out = args.out or Path(args.run_root) / "compare" / args.experiment.replace("/", "_")
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     if not args.verbose:
         quiet_libraries()
-    from empo2.errors import NonFiniteLossError
+    from empo2.utils.errors import NonFiniteLossError
 
     try:
         return args.func(args)

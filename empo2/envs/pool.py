@@ -1,7 +1,7 @@
 """A pool of started environments, reused across episodes.
 
-A ScienceWorld env owns a JVM that takes ~1 s (and ~200 MB) to start, so rollout workers borrow
-started envs instead of building one per episode. `acquire` hands out an idle env (restarting it
+A ScienceWorld env owns a JVM that is slow to start and holds memory (docs/performance.md), so rollout workers
+borrow started envs instead of building one per episode. `acquire` hands out an idle env (restarting it
 first if its JVM died while idle) or builds a new one; `release` takes it back for the next
 episode; `close` kills every env the pool built, lent out or not.
 

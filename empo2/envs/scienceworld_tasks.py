@@ -2,7 +2,7 @@
 
 The train / dev / test variation lists are the package's own (`getVariationsTrain/Dev/Test`, a
 50/25/25 split by variation index). The package exposes them only through a running simulator, so
-`catalogue()` asks a JVM once (~5 s) and caches the answer as JSON under `$EMPO2_CACHE` (default
+`catalogue()` asks a JVM once (seconds: docs/performance.md) and caches the answer as JSON under `$EMPO2_CACHE` (default
 `~/.cache/empo2`), keyed by the package version (and the jar, when a custom one is given); later
 calls, in any process, read the file and start no JVM.
 """

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from empo2.algo.stats import first_visit_gain
 from empo2.config import TrainConfig
 from empo2.envs import TaskSpec, get_catalogue
-from empo2.faults import maybe_fail
 from empo2.lit.data import RolloutDataModule, derive_seed
 from empo2.lit.progress import Phase, PhaseTimes
 from empo2.lit.strategy import export_ranks, unsharded
@@ -33,7 +33,7 @@ from empo2.rollout.engines import full_named_tensors
 from empo2.rollout.spec import CollectionSpec, scoring_spec, training_spec
 from empo2.rollout.types import RolloutBatch
 from empo2.rollout.worker import RolloutWorker
-from empo2.stats import first_visit_gain
+from empo2.utils.faults import maybe_fail
 
 # the worker's part of this callback's checkpointed state, which checkpoints before the worker held it stored at the
 # top level of the callback's state

@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from empo2.faults import maybe_fail
 from empo2.lit.progress import PhaseTimes
 from empo2.utils import fsync_path, uninterrupted
+from empo2.utils.faults import maybe_fail
 
 TMP_SUFFIX = ".tmp"
 LAST = "last.ckpt"
@@ -55,7 +55,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 @contextlib.contextmanager
 def _without_crc32():
     """`torch.save` without the CRC32 of every record: `torch.load` never checks them (a flipped byte loads
-    silently either way), and computing them took 3-5 s of a 1.6 GB SmolLM2 checkpoint's 4-6 s write. Whole
+    silently either way), and computing them took most of a checkpoint write (docs/performance.md). Whole
     files are what the atomic rename guarantees; the caller's setting is restored."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)

@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from empo2 import core_algos
+from empo2.algo import core_algos
 from empo2.config import AlgoConfig, TrainerConfig
-from empo2.errors import NonFiniteLossError
-from empo2.faults import maybe_fail
 from empo2.lit.data import MicroBatch, RolloutBuffer, collate, pad_logprobs
 from empo2.lit.packing import packed_response_logits
 from empo2.lit.strategy import FSDP2Strategy, float32_master_weights, is_sharded, reshard
 from empo2.rollout.types import StepSample
 from empo2.utils import release_free_memory
+from empo2.utils.errors import NonFiniteLossError
+from empo2.utils.faults import maybe_fail
 
 NONFINITE_CHECKPOINT = "nonfinite.ckpt"
 

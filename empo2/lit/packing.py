@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from empo2.prefix_cache import PrefixCaches, cheapest_runs
+from empo2.models.prefix_cache import PrefixCaches, cheapest_runs
 
 
 def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list | None = None) -> torch.Tensor:
@@ -27,7 +27,7 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
     returned logits are built from leaves, and (pass logits, leaf) pairs are appended for
     `EMPO2Module.backward_passes`.
     In one backward through several passes the autograd engine holds each parameter's gradient until the
-    last pass using it is done, a second full set of gradients (SmolLM2: 0.5 GiB); pass by pass, each
+    last pass using it is done, a second full set of gradients (docs/performance.md); pass by pass, each
     reaches `.grad` at once. Shared prefixes tie the passes together, so with them the graph stays whole."""
     T = batch["response_ids"].shape[1]
     mask = batch["attention_mask"].bool()  # (B, P+T): a row's real tokens are contiguous

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from empo2 import core_algos
+from empo2.algo import core_algos
 from empo2.config import TrainConfig
 from empo2.rollout.build import generation_logprobs_exact, records_engine_logprobs
 

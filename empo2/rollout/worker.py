@@ -10,7 +10,7 @@ environments, then one `step` per environment. With an engine shared by several 
 steps go on while any of them has live environments, with an empty `generate` where this one has none.
 When the episodes end the policy writes a tip for each of them in one batched call; the tips are
 sanitised, embedded and added to memory. Returns are mixed with the intrinsic reward, turned into
-group advantages and copied onto every step sample, all through `empo2.core_algos`.
+group advantages and copied onto every step sample, all through `empo2.algo.core_algos`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from empo2 import core_algos
+from empo2.algo import core_algos
+from empo2.algo.stats import memory_gain
 from empo2.envs import TaskSpec, TextEnv
 from empo2.memory import Embedder, TipMemory, episode_entries, sanitize_tip
 from empo2.rollout.engines import GenerationEngine, SamplingParams
 from empo2.rollout.novelty import NoveltyCounter
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import RolloutBatch, StepSample, Trajectory
-from empo2.stats import memory_gain
 
 if TYPE_CHECKING:  # annotations only: the spec module builds specs with `empo2.rollout.build`, which builds workers
     from empo2.rollout.spec import CollectionSpec
@@ -353,7 +353,7 @@ class RolloutWorker:
         }
         # Per rollout kind: with tips, drawn tip-free, and drawn in memory mode but finding no tip (`memory_miss`,
         # mostly an instance's first draw: never counted as tip-free). The pooled scores describe; what the tips
-        # add is `memory_gain`, like for like within groups (`empo2.stats.memory_gain`), on the score.
+        # add is `memory_gain`, like for like within groups (`empo2.algo.stats.memory_gain`), on the score.
         kinds = {"memory": [tr for tr in trajs if tr.carried_tips],
                  "tipfree": [tr for tr in trajs if not tr.wanted_tips],
                  "memory_miss": [tr for tr in trajs if tr.wanted_tips and not tr.carried_tips]}

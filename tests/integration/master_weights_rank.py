@@ -8,8 +8,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # torchrun puts only this folder on the path
 
 from empo2.config import load_config  # noqa: E402
-from empo2.train import train  # noqa: E402
 from empo2.utils import quiet_libraries  # noqa: E402
+from empo2.workflows.train import train  # noqa: E402
 from tests.integration.test_master_weights import DtypeProbe  # noqa: E402
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 
-from empo2.attention import GROUPED_SDPA, grouped_sdpa
 from empo2.config import ModelConfig
 from empo2.models import load_policy
+from empo2.models.attention import GROUPED_SDPA, grouped_sdpa
 
 
 @pytest.fixture(scope="module")

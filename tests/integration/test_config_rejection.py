@@ -1,6 +1,6 @@
 """Every validated config field rejects a bad value with one line naming it; unknown keys are rejected.
 
-The cases are derived from the range metadata next to each field in empo2/config.py (`opt(ge=, gt=, le=,
+The cases are derived from the range metadata next to each field in empo2/config/__init__.py (`opt(ge=, gt=, le=,
 lt=, choices=, nullable=)`), so a new field is covered the moment it is declared.
 """
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from empo2 import core_algos
+from empo2.algo import core_algos
 from empo2.config import load_config
 from empo2.lit.data import MicroBatch, RolloutBuffer, RolloutDataModule
 from empo2.lit.module import EMPO2Module

@@ -211,8 +211,8 @@ def test_build_engine(policy):
 def test_hf_generate_computes_in_the_engine_dtype_not_the_parameters(policy, prompts):
     """engine.dtype=bfloat16 runs HF generate under bfloat16 autocast (the update's context under bf16-mixed): its
     log-probs then miss a float32 trainer's by bfloat16 rounding, while at float32 they match to float32 rounding."""
+    from empo2.algo.core_algos import logprob_gap
     from empo2.config import AlgoConfig, TrainerConfig
-    from empo2.core_algos import logprob_gap
     from empo2.lit.data import RolloutBuffer
     from empo2.lit.module import EMPO2Module
     from empo2.rollout.types import StepSample
@@ -237,7 +237,7 @@ def test_hf_generate_computes_in_the_engine_dtype_not_the_parameters(policy, pro
 def test_smollm2_tokenizer_prompts_are_injection_safe_and_tip_exact():
     from transformers import AutoTokenizer
 
-    from empo2.model_io import ensure_smollm2
+    from empo2.models.io import ensure_smollm2
 
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     special = set(tok.all_special_ids)

@@ -2,7 +2,7 @@
 unreachable tracking stores.
 
 The kills are real: training runs as `python -m empo2.cli train` and `EMPO2_FAULT=<point>:<iteration>`
-(empo2/faults.py) SIGKILLs it during a rollout, an update or a checkpoint write.
+(empo2/utils/faults.py) SIGKILLs it during a rollout, an update or a checkpoint write.
 """
 
 import json
@@ -23,7 +23,7 @@ from empo2.config import ConfigError, load_config
 from empo2.lit.callbacks import RolloutCallback
 from empo2.lit.module import NONFINITE_CHECKPOINT, NonFiniteLossError
 from empo2.memory import TipMemory
-from empo2.train import find_resume_checkpoint, train
+from empo2.workflows.train import find_resume_checkpoint, train
 from tests.integration.test_training import FAST
 
 # One torch thread in every process: the straight and the interrupted runs must do identical float math.
@@ -335,7 +335,7 @@ def test_an_unreachable_tracking_server_fails_at_start_naming_the_key(tmp_path):
 
 
 def test_a_study_storage_that_cannot_be_opened_fails_at_start_naming_it(tmp_path):
-    from empo2.sweep import run_sweep
+    from empo2.workflows.sweep import run_sweep
 
     sweep = Path(__file__).resolve().parents[2] / "sweeps" / "empo2_minisci.yaml"
     url = f"sqlite:///{tmp_path}"  # a directory: no database can be opened there

@@ -13,8 +13,8 @@ from empo2.envs import get_catalogue, make_env
 from empo2.envs.actions import MAX_ACTION_CHARS, parse_action, resolve_action
 from empo2.memory import TipMemory, episode_entries, sanitize_tip
 from empo2.memory.tips import TIP_CLOSE, TIP_OPEN, check_tip_line
-from empo2.model_io import ensure_smollm2
 from empo2.models import load_policy
+from empo2.models.io import ensure_smollm2
 from empo2.rollout.prompts import PromptBuilder
 
 _RAW = bytes(random.Random(0).randrange(256) for _ in range(400))

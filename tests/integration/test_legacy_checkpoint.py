@@ -42,7 +42,7 @@ def test_the_legacy_layout_is_read_as_the_workers_state():
 def test_a_legacy_checkpoint_resumes_into_the_run_it_came_from(tmp_path):
     """Resumed from the legacy checkpoint, iteration 1 logs exactly what the uninterrupted run logged, the memory
     ends with the same tips, and the new checkpoint is written in the current layout."""
-    from empo2.train import train
+    from empo2.workflows.train import train
 
     ckpt = tmp_path / "iteration-0.ckpt"
     shutil.copy(DATA / "iteration-0.ckpt", ckpt)
@@ -61,7 +61,7 @@ def test_a_legacy_checkpoint_resumes_into_the_run_it_came_from(tmp_path):
 
 def test_eval_reads_the_tips_and_counts_of_a_legacy_checkpoint():
     """`empo2 eval memory=on` plays with the tips a legacy checkpoint holds."""
-    from empo2.evaluate import _worker
+    from empo2.workflows.evaluate import _worker
 
     old = _callback_state(DATA / "iteration-0.ckpt")
     worker = _worker(load_config(LEGACY_RUN), DATA / "iteration-0.ckpt", 1, with_memory_state=True)

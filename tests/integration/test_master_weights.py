@@ -22,7 +22,7 @@ from empo2.lit.data import RolloutBuffer, plan_epoch
 from empo2.lit.module import EMPO2Module
 from empo2.lit.strategy import float32_master_weights
 from empo2.models import load_policy
-from empo2.train import train
+from empo2.workflows.train import train
 from tests.services import free_port
 
 from .test_update_fidelity import _samples
@@ -161,7 +161,7 @@ def eval_policy(ckpt: Path, out: Path, monkeypatch) -> tuple[list[str], bool]:
     """`empo2 eval` of a checkpoint (memory off, one variation): the dtypes of the policy it plays with, and whether
     its weights are the checkpoint's rounded to bfloat16."""
     import empo2.rollout.build as build
-    from empo2.evaluate import evaluate, run_config
+    from empo2.workflows.evaluate import evaluate, run_config
 
     seen = {}
     real = build.build_worker

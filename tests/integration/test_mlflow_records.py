@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.compare import compare
 from empo2.config import ConfigError
-from empo2.evaluate import adapt, resolve_checkpoint, run_config
-from empo2.tracking import EXPERIMENT_KIND, experiment_id, ui_link
+from empo2.workflows.compare import compare
+from empo2.workflows.evaluate import adapt, resolve_checkpoint, run_config
+from empo2.workflows.tracking import EXPERIMENT_KIND, experiment_id, ui_link
 from tests.integration.test_workflows import FAST, empo2
 
 PRESET = "empo2_official_minisci"
@@ -194,7 +194,7 @@ def test_compare_reports_where_each_group_started_and_pairs_groups_by_seed(tmp_p
 def test_compare_resamples_seeds_then_instances_where_runs_logged_each_instance(tmp_path):
     """Validation logs each instance's score beside the mean: there the intervals are the two-level bootstrap
     (seeds, then instances), elsewhere the t-interval over seeds, and each table says which."""
-    from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
+    from empo2.algo.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

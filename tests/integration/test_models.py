@@ -42,7 +42,7 @@ def test_a_checkpoint_the_project_wrote_loads_with_the_tokenizer_it_was_saved_wi
     """The priors are Qwen2-shaped with their own byte-level BPE: loaded through AutoTokenizer they got
     Qwen2Tokenizer's pre-tokenizer, which splits numbers into digits, so run-time prompts (scores, terminals,
     temperatures, "100 words") were not the ones the policy was trained on."""
-    from empo2.model_io import load_local, save_cached_checkpoint
+    from empo2.models.io import load_local, save_cached_checkpoint
 
     model, tok = load_policy(ModelConfig(name="tiny"))
     save_cached_checkpoint(model, tok, {"test": True}, tmp_path / "ckpt")
@@ -73,3 +73,10 @@ def test_bundled_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
     model2, _ = load_policy(ModelConfig(name="smollm2-135m-instruct"))
     assert (cache / "empo2_source.json").is_file()
     assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_recipe_built_prior_not_built_here_stops_with_the_command_that_builds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))  # an empty cache: nothing built on this machine
+    build = "`python -m recipes.minisci_priors.prior_rounds build minisci-bc`"
+    with pytest.raises(ConfigError, match=rf"^model.name=minisci-bc is not built on this machine: {build} builds it"):
+        load_policy(ModelConfig(name="minisci-bc"))

@@ -12,7 +12,7 @@ from empo2.config import load_config
 from empo2.lit.callbacks import RolloutCallback
 from empo2.lit.progress import PHASES, phase_table
 from empo2.rollout.build import validation_tasks
-from empo2.train import train
+from empo2.workflows.train import train
 from tests.integration.test_training import FAST
 
 

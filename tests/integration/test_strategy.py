@@ -5,7 +5,7 @@ import torch
 from empo2.config import load_config
 from empo2.lit.strategy import FSDP2Strategy, build_strategy, decoder_layer_classes, hf_model
 from empo2.models import load_policy
-from empo2.preflight import preflight
+from empo2.workflows.preflight import preflight
 
 CPU_FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 

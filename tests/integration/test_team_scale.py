@@ -16,10 +16,10 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.compare import compare
 from empo2.config import ConfigError
-from empo2.sweep import run_sweep
-from empo2.sweep_storage import open_storage
+from empo2.workflows.compare import compare
+from empo2.workflows.sweep import run_sweep
+from empo2.workflows.sweep_storage import open_storage
 from tests.real_parts import require
 from tests.services import free_port, start_mlflow, start_postgres
 
@@ -77,8 +77,8 @@ def _trial_child(pid: int) -> int | None:
     try:
         for child in psutil.Process(pid).children():
             cmd = child.cmdline()
-            if "empo2.sweep_trial" in cmd:
-                return int(cmd[cmd.index("empo2.sweep_trial") + 2])
+            if "empo2.workflows.sweep_trial" in cmd:
+                return int(cmd[cmd.index("empo2.workflows.sweep_trial") + 2])
     except (psutil.NoSuchProcess, ValueError, IndexError):
         pass
     return None
@@ -336,7 +336,7 @@ class _Outages:
 
 def test_a_run_trains_through_tracking_server_outages_and_delivers_every_metric(pg, tmp_path, capsys):
     from empo2.config import load_config
-    from empo2.train import train
+    from empo2.workflows.train import train
 
     backend, folder = pg.create_database("outage"), tmp_path / "server"
     outages = _Outages(start_mlflow(backend, folder), backend, folder, down={0, 2}, up={1})

@@ -10,7 +10,7 @@ import torch
 from empo2.config import load_config
 from empo2.lit.data import collate
 from empo2.rollout.types import StepSample
-from empo2.train import train
+from empo2.workflows.train import train
 
 FAST = ["model=tiny", "logger=none", "trainer.iterations=2", "trainer.mini_batch_size=4",
         "trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.val_every=1", "trainer.ckpt_every=1",
@@ -286,7 +286,7 @@ def test_two_trainings_in_one_process_without_run_names_get_their_own_folders(tm
 def test_processes_started_by_torchrun_or_srun_need_a_run_name(monkeypatch):
     """Without run_name each process torchrun or srun starts would name its own run folder after its own clock."""
     from empo2.config import ConfigError
-    from empo2.train import resume_run_name
+    from empo2.workflows.train import resume_run_name
 
     for var in ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NAME", "EMPO2_RUN_NAME"):
         monkeypatch.delenv(var, raising=False)

@@ -10,14 +10,14 @@ import lightning as L
 import pytest
 import torch
 
-from empo2 import core_algos
+from empo2.algo import core_algos
 from empo2.config import ModelConfig, load_config
 from empo2.lit.data import RolloutBuffer, collate, plan_epoch
 from empo2.lit.module import EMPO2Module, adamw
 from empo2.models import load_policy
 from empo2.rollout.engines import HFEngine, SamplingParams
 from empo2.rollout.types import StepSample
-from empo2.train import state_fingerprint, train
+from empo2.workflows.train import state_fingerprint, train
 
 from .test_training import FAST, StopAfter
 

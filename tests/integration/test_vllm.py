@@ -16,18 +16,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from empo2.algo.core_algos import logprob_gap
 from empo2.config import AlgoConfig, ModelConfig, TrainerConfig, load_config
-from empo2.core_algos import logprob_gap
+from empo2.config.experiments import EXPERIMENTS_DIR
 from empo2.envs import get_catalogue, make_env
-from empo2.errors import ConfigError
-from empo2.experiments import EXPERIMENTS_DIR
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
 from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import StepSample
-from empo2.train import train
+from empo2.utils.errors import ConfigError
+from empo2.workflows.train import train
 from tests.integration.test_faults import FOUR, _assert_same, _cli_train, _final_state
 from tests.integration.test_training import StopAfter
 from tests.services import free_port

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from empo2.config import ConfigError, load_config
-from empo2.preflight import preflight
 from empo2.rollout.engines import SamplingParams, VLLMEngine
+from empo2.workflows.preflight import preflight
 from tests.integration.test_vllm import PRIOR, TEMPERATURE, TOL, prior, prompts, trainer_logprobs  # noqa: F401
 from tests.services import free_port, spawn_ranks
 

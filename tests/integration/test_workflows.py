@@ -16,15 +16,15 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from empo2.compare import run_memory_gain
+from empo2.algo.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 from empo2.config import ConfigError, load_config
+from empo2.config.experiments import EXPERIMENTS_DIR
 from empo2.envs import get_catalogue
-from empo2.evaluate import adapt, resolve_checkpoint, run_config
-from empo2.experiments import EXPERIMENTS_DIR
-from empo2.grid import plan_grid, run_grid
-from empo2.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
-from empo2.sweep import load_sweep, run_sweep
-from empo2.train import train
+from empo2.workflows.compare import run_memory_gain
+from empo2.workflows.evaluate import adapt, resolve_checkpoint, run_config
+from empo2.workflows.grid import plan_grid, run_grid
+from empo2.workflows.sweep import load_sweep, run_sweep
+from empo2.workflows.train import train
 from tests.slurm import JOBS, slurm_cluster  # noqa: F401 (the `slurm` fixture)
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

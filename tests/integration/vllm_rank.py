@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from empo2.config import load_config  # noqa: E402
 from empo2.rollout.engines import VLLMEngine  # noqa: E402
-from empo2.train import train  # noqa: E402
 from empo2.utils import quiet_libraries  # noqa: E402
+from empo2.workflows.train import train  # noqa: E402
 from tests.integration.test_vllm import EngineProbe  # noqa: E402
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from empo2.lit.checkpoint_io import LAST, IterationCheckpoint, point_link
-from empo2.train import checkpoint_files, find_resume_checkpoint
+from empo2.workflows.train import checkpoint_files, find_resume_checkpoint
 
 
 def _touch(path, mtime):

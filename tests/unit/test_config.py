@@ -106,7 +106,7 @@ def test_minisci_house_settings_reach_the_env_and_are_refused_for_other_envs():
 def test_minisci_tips_runs_only_on_the_prompt_layout_it_was_trained_on():
     cfg = load_config(["model=minisci_tips"])  # the preset selects rollout=whole_chat
     assert cfg.rollout.history_turns is None and cfg.rollout.tips_in_history
-    from empo2.prior_tips import MAX_PROMPT_TOKENS  # the budget it was trained within
+    from recipes.minisci_priors.prior_tips import MAX_PROMPT_TOKENS  # the budget it was trained within
 
     assert cfg.rollout.max_prompt_tokens == cfg.rollout.max_tip_request_tokens == MAX_PROMPT_TOKENS
     assert load_config(["model=minisci_tips", "rollout.max_new_tokens=5"]).rollout.history_turns is None
@@ -120,7 +120,7 @@ def test_minisci_tips_runs_only_on_the_prompt_layout_it_was_trained_on():
 def test_a_checkpoint_that_records_its_prompt_layout_is_held_to_it(tmp_path):
     """A fine-tuned copy of minisci-tips loaded as `model.name=hf` keeps the layout it was trained on, even under
     a preset that sets another (the paper's): the layout comes from the checkpoint's own marker."""
-    from empo2.model_presets import MINISCI_TIPS_LAYOUT
+    from empo2.config.presets import MINISCI_TIPS_LAYOUT
 
     (tmp_path / "empo2_source.json").write_text(json.dumps({"prompt_layout": MINISCI_TIPS_LAYOUT}))
     hf = ["model.name=hf", f"model.path={tmp_path}", "rollout=whole_chat"]

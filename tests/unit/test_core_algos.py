@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from empo2 import core_algos as ca
+from empo2.algo import core_algos as ca
 
 EPS = 1e-6
 

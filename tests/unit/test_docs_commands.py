@@ -8,15 +8,15 @@ What a page shows, and how it is checked:
   then `train` overrides composed and validated with `load_config` (what `empo2 train ... --cfg` does), `eval` /
   `adapt` options split and the rest composed, grid files planned with `plan_grid`, sweep files read with
   `load_sweep` (which composes every end point of the space), `config` sections described;
-- `python benchmarks/X.py ...` (or `research/X.py`, or under `torchrun`): the script exists, builds an argparse
-  parser, and defines every `--option` used (read from its source, nothing imported or run);
-  `python -m empo2.prior_rounds ...`: a round
-  parsed and validated by its real parser, a shipped prior's rebuild planned and every one of its rounds parsed;
+- `python benchmarks/X.py ...` (or `python -m recipes.R.X`, a recipe's script, or under `torchrun`): the script
+  exists, builds an argparse parser, and defines every `--option` used (read from its source, nothing imported or
+  run); `python -m recipes.minisci_priors.prior_rounds ...`: a round parsed and validated by its real parser, a
+  shipped prior's rebuild planned and every one of its rounds parsed, a stage-1 build named;
   `python -c CODE`: it parses, and every name it imports from
-  `empo2` and every field it passes to `dataclasses.replace` exists;
+  `empo2` or `recipes` and every field it passes to `dataclasses.replace` exists;
 - `make TARGET`: the target is in the Makefile; `pip install .[EXTRA]`: the extra is in pyproject.toml;
 - every repository path a command names exists, except outputs (`--out`, `out=`, `--save`) and what commands
-  create (`outputs/`, `benchmarks/results/`, `research/results/`);
+  create (`outputs/`, `benchmarks/results/`, the recipe's `results/`);
 - inline `empo2 ...` spans in the prose: a synopsis (`[...]`, `FILE`, `a|b`) or a bare `empo2 SUBCOMMAND` names a
   real subcommand and real options; a complete command is checked as above.
 
@@ -36,13 +36,16 @@ from pathlib import Path
 import pytest
 
 from empo2.config import ConfigError
-from empo2.prior_rounds import parse_round, planned_rounds
+from recipes.minisci_priors.prior_rounds import STAGE_ONE, parse_round, planned_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-REPO_DIRS = ("empo2", "experiments", "sweeps", "conf", "benchmarks", "research", "reports", "docs", "tests", ".ci")
-GENERATED = ("outputs/", "benchmarks/results/", "research/results/")  # folders that commands create
+REPO_DIRS = ("empo2", "experiments", "sweeps", "conf", "benchmarks", "recipes", "reports", "docs", "tests", ".ci")
+# folders that commands create
+GENERATED = ("outputs/", "benchmarks/results/", "recipes/minisci_priors/results/",
+             "recipes/minisci_priors/research/results/")
 OUTPUT_FLAGS = ("--out", "--save")
+PRIOR_ROUNDS = "python -m recipes.minisci_priors.prior_rounds"
 OUTPUT_KEYS = ("out",)
 EXTERNAL = {"mlflow", "createdb", "pip"}  # third-party programs shown as they are, their arguments not checked
 PLACEHOLDER = re.compile(r"\[|\.\.\.|\||\b[A-Z][A-Z_]{1,}\b")
@@ -115,7 +118,7 @@ def commands_of_pages() -> list[tuple[str, str, str]]:
                 found += [(f"{rel}:{n}", "bash", c) for n, c in shell_commands(body, line)]
             elif lang == "console":
                 found += [(f"{rel}:{n}", "console", c + "\n" + e) for n, c, e in console_examples(body, line)]
-            elif lang != "text":
+            elif lang not in ("text", "mermaid"):  # prose and diagrams hold no command
                 found.append((f"{rel}:{line - 1}", "unlabelled", body))
         for span in re.findall(r"`(empo2 [^`]+)`", prose(page)):
             found.append((f"{rel} (inline)", "inline", " ".join(span.split())))
@@ -168,7 +171,7 @@ def check_empo2(argv: list[str]) -> None:
     if args.command == "train":
         load_config(args.overrides)
     elif args.command in ("eval", "adapt"):
-        from empo2.evaluate import ADAPT_OPTIONS, EVAL_OPTIONS, int_option, parse_kv
+        from empo2.workflows.evaluate import ADAPT_OPTIONS, EVAL_OPTIONS, int_option, parse_kv
 
         opts, overrides = parse_kv(args.rest, EVAL_OPTIONS if args.command == "eval" else ADAPT_OPTIONS)
         for key in ("variations", "rollouts", "trials"):
@@ -177,10 +180,10 @@ def check_empo2(argv: list[str]) -> None:
             raise ConfigError(f"memory={opts['memory']}: expected on, off or both")
         load_config(overrides)
     elif args.command in ("grid", "sweep"):
-        from empo2.experiments import read_yaml
-        from empo2.grid import parse_seeds, plan_grid
-        from empo2.slurm import load_slurm_config, run_overrides, split_overrides
-        from empo2.sweep_spec import load_sweep
+        from empo2.config.experiments import read_yaml
+        from empo2.workflows.grid import parse_seeds, plan_grid
+        from empo2.workflows.slurm import load_slurm_config, run_overrides, split_overrides
+        from empo2.workflows.sweep_spec import load_sweep
 
         ours, overrides = split_overrides(args.overrides) if args.launcher == "slurm" else ([], args.overrides)
         overrides += run_overrides(load_slurm_config(ours))
@@ -191,7 +194,7 @@ def check_empo2(argv: list[str]) -> None:
                             "--seeds")
         plan_grid(args.file, seeds=seeds[:1], overrides=overrides)  # seeds only change `seed=`
     elif args.command == "config":
-        from empo2.slurm import describe_launcher
+        from empo2.workflows.slurm import describe_launcher
 
         describe_launcher() if args.section == "launcher" else describe(args.section)
 
@@ -207,6 +210,8 @@ def script_options(path: Path) -> set[str]:
 
 def module_names(module: str) -> tuple[Path, ast.Module, set[str]]:
     path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.is_file():  # a package's own names
+        path = ROOT / module.replace(".", "/") / "__init__.py"
     if not path.is_file():
         raise CommandError(f"{module}: no such module")
     tree = ast.parse(path.read_text())
@@ -240,7 +245,7 @@ def check_python_code(code: str) -> None:
         raise CommandError(f"python -c: {e}") from None
     origin = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("empo2"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("empo2", "recipes")):
             _, _, names = module_names(node.module)
             for a in node.names:
                 if a.name not in names:
@@ -263,11 +268,13 @@ def check_python(argv: list[str]) -> None:
         return check_empo2(argv[2:])
     if argv[:2] == ["-m", "pytest"]:
         return check_paths(argv[2:])
-    if argv[:2] == ["-m", "empo2.prior_rounds"]:
+    if argv[:2] == ["-m", "recipes.minisci_priors.prior_rounds"]:
         return check_prior_rounds(argv[2:])
+    if argv[0] == "-m" and len(argv) > 1 and argv[1].startswith("recipes."):  # a recipe's script, as a module
+        argv = [argv[1].replace(".", "/") + ".py", *argv[2:]]
     script = ROOT / argv[0]
-    if not argv[0].startswith(("benchmarks/", "research/")) or not script.is_file():
-        raise CommandError(f"{argv[0]}: not a script of benchmarks/ or research/")
+    if not argv[0].startswith(("benchmarks/", "recipes/")) or not script.is_file():
+        raise CommandError(f"{argv[0]}: not a script of benchmarks/ or recipes/")
     check_paths(argv[1:])
     options = script_options(script)
     for token in argv[1:]:
@@ -283,10 +290,10 @@ def check_prior_rounds(argv: list[str]) -> None:
             elif argv[:1] == ["build"] and len(argv) == 4 and argv[2] == "--out":
                 for round_argv in planned_rounds(argv[1], Path(argv[3])):
                     parse_round(round_argv)
-            else:
-                raise CommandError(f"python -m empo2.prior_rounds {' '.join(argv)}: neither `round` nor `build`")
+            elif not (argv[:1] == ["build"] and len(argv) == 2 and argv[1] in STAGE_ONE):
+                raise CommandError(f"{PRIOR_ROUNDS} {' '.join(argv)}: neither `round` nor `build`")
     except SystemExit as e:
-        raise CommandError(f"python -m empo2.prior_rounds: {err.getvalue().strip() or e}") from None
+        raise CommandError(f"{PRIOR_ROUNDS}: {err.getvalue().strip() or e}") from None
 
 
 def makefile_targets() -> set[str]:

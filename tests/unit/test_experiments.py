@@ -7,10 +7,10 @@ import math
 import pytest
 
 from empo2.config import ConfigError, load_config
-from empo2.evaluate import parse_kv
-from empo2.experiments import available_presets
-from empo2.grid import parse_seeds, plan_grid
-from empo2.sweep import load_sweep
+from empo2.config.experiments import available_presets
+from empo2.workflows.evaluate import parse_kv
+from empo2.workflows.grid import parse_seeds, plan_grid
+from empo2.workflows.sweep import load_sweep
 
 PRESETS = ["empo2_paper", "empo2_official", "grpo", "no_offpolicy", "no_intrinsic", "memory_only"]
 
@@ -212,7 +212,7 @@ def test_eval_arguments_split_options_from_overrides():
 
 
 def test_group_curve_averages_runs_per_step_and_places_points_at_the_mean_x():
-    from empo2.compare import group_curve
+    from empo2.workflows.compare import group_curve
 
     a = ({0: 1.0, 1: 3.0}, {0: 10.0, 1: 22.0})
     b = ({0: 3.0, 1: 5.0, 2: 7.0}, {0: 12.0, 1: 20.0, 2: 30.0})
@@ -225,7 +225,7 @@ def test_group_curve_averages_runs_per_step_and_places_points_at_the_mean_x():
 
 
 def test_paired_difference_is_taken_over_the_seeds_both_groups_ran():
-    from empo2.compare import paired_difference
+    from empo2.workflows.compare import paired_difference
 
     group, baseline = {"0": 5.0, "1": 7.0, "2": 9.0}, {"0": 4.0, "1": 4.0, "2": 10.0, "3": 1.0}
     mean, low, high, n = paired_difference(group, baseline)  # differences 1, 3, -1; seed 3 has no pair

@@ -4,8 +4,8 @@ import signal
 import pytest
 
 from empo2.cli import interrupt
-from empo2.errors import Interrupted
 from empo2.utils import uninterrupted
+from empo2.utils.errors import Interrupted
 
 
 @pytest.fixture

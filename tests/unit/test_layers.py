@@ -1,4 +1,4 @@
-"""The package's imports point one way (DESIGN.md, "Imports point one way"): `lint-imports` checks the layers
+"""The package's imports point one way (docs/architecture.md, "Packages by layer"): `lint-imports` checks the layers
 contract in pyproject.toml, function-level imports included, so no import circle can come back unnoticed."""
 
 import subprocess

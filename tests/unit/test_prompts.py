@@ -3,7 +3,7 @@
 import pytest
 
 from empo2.memory.tips import format_tip_block, tip_request_message
-from empo2.model_io import build_tiny_tokenizer
+from empo2.models.io import build_tiny_tokenizer
 from empo2.rollout.prompts import DEFAULT_SYSTEM_PROMPT, ChatTemplateError, Prompt, PromptBuilder
 
 TASK = "Your task is to find the animal and focus on it."

@@ -77,7 +77,7 @@ def test_the_paper_to_code_table_names_code_that_exists():
     missing = []
     for row in table_rows(readme_section("Paper component → code")):
         for ref in re.findall(r"`((?:empo2|core_algos)\.[\w.]+)", row[1]):
-            parts = ("empo2." + ref if ref.startswith("core_algos") else ref).split(".")
+            parts = ("empo2.algo." + ref if ref.startswith("core_algos") else ref).split(".")
             k = max(i for i in range(1, len(parts) + 1) if module_file(parts[:i]))
             tree = ast.parse(module_file(parts[:k]).read_text())
             defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}

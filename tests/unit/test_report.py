@@ -1,5 +1,5 @@
 from empo2.cli import gap_lines, run_findings
-from empo2.compare import run_memory_gain
+from empo2.workflows.compare import run_memory_gain
 
 
 def test_findings_set_validation_before_beside_after_and_the_memory_gain_like_for_like():
@@ -44,7 +44,7 @@ def test_findings_of_memory_only_use_the_first_visit_and_say_only_what_the_histo
 
 def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path):
     from empo2.config import load_config
-    from empo2.train import start_lines
+    from empo2.workflows.train import start_lines
 
     cfg = load_config(["experiment=grpo_minisci", "env.tasks=[find-living-thing]", "seed=3"])
     lines = start_lines(cfg, tmp_path / "run", "abc123")

@@ -8,7 +8,7 @@ import pytest
 
 from empo2.cli import main
 from empo2.config import ConfigError
-from empo2.slurm import (
+from empo2.workflows.slurm import (
     SlurmConfig,
     _sbatch_options,
     job_parameters,

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from empo2.stats import bootstrap_ci
+from empo2.algo.stats import bootstrap_ci
 
 
 def test_the_interval_holds_the_statistic_and_narrows_with_more_samples():
@@ -42,7 +42,7 @@ def test_bad_input_is_refused():
 
 # ---------------------------------------------------------------------------------------- like-for-like memory
 def test_memory_gain_pairs_tips_with_tip_free_rollouts_of_the_same_group_only():
-    from empo2.stats import memory_gain
+    from empo2.algo.stats import memory_gain
 
     # group 0: tips 60, 40 | tip-free 10, 30 | a memory-mode rollout that found no tip, 0  -> 50 - 20 = +30
     # group 1: tips 20 | tip-free 50                                                    -> 20 - 50 = -30 ... and
@@ -60,7 +60,7 @@ def test_memory_gain_pairs_tips_with_tip_free_rollouts_of_the_same_group_only():
 
 
 def test_memory_gain_of_groups_that_are_all_one_kind_is_none():
-    from empo2.stats import memory_gain
+    from empo2.algo.stats import memory_gain
 
     gain, n = memory_gain([1.0, 2.0, 3.0], [0, 0, 1], [False] * 3, [False] * 3)  # GRPO: every rollout tip-free
     assert math.isnan(gain) and n == 0
@@ -73,7 +73,7 @@ def test_memory_gain_of_groups_that_are_all_one_kind_is_none():
 
 
 def test_first_visit_gain_sets_later_visits_with_tips_against_the_same_instances_first_visit():
-    from empo2.stats import first_visit_gain
+    from empo2.algo.stats import first_visit_gain
 
     # instance a: first drawn at iteration 0 (10, 20 tip-free), again at 2 (with tips 50, 70) -> 60 - 15 = +45
     # instance b: first drawn at 1 (40), again at 3 with tips 30, and a later visit that found nothing (0, left
@@ -91,7 +91,7 @@ def test_first_visit_gain_sets_later_visits_with_tips_against_the_same_instances
 
 # ------------------------------------------------------------------------------------------------ intervals
 def test_t_interval_matches_the_textbook_values():
-    from empo2.stats import t_interval
+    from empo2.algo.stats import t_interval
 
     # 1..5: mean 3, s = sqrt(2.5), se = s / sqrt(5) = 0.7071; t_{0.975, 4} = 2.776 (every t table)
     mean, low, high = t_interval([1.0, 2.0, 3.0, 4.0, 5.0])
@@ -108,7 +108,7 @@ def test_t_interval_matches_the_textbook_values():
 
 
 def test_t_interval_of_one_seed_is_undefined_and_of_equal_seeds_has_no_width():
-    from empo2.stats import t_interval
+    from empo2.algo.stats import t_interval
 
     mean, low, high = t_interval([4.0])
     assert mean == 4.0 and math.isnan(low) and math.isnan(high)
@@ -120,7 +120,7 @@ def test_t_interval_of_one_seed_is_undefined_and_of_equal_seeds_has_no_width():
 
 
 def test_t_interval_is_wider_than_the_percentile_bootstrap_over_five_seeds():
-    from empo2.stats import t_interval
+    from empo2.algo.stats import t_interval
 
     seeds = [3.0, -8.0, 12.0, 15.0, 5.0]  # five per-seed paired differences
     _, tl, th = t_interval(seeds)
@@ -130,7 +130,7 @@ def test_t_interval_is_wider_than_the_percentile_bootstrap_over_five_seeds():
 
 
 def test_two_level_bootstrap_has_the_two_stage_variance():
-    from empo2.stats import two_level_bootstrap
+    from empo2.algo.stats import two_level_bootstrap
 
     rng = np.random.default_rng(2)
     a, b = 10, 48
@@ -148,7 +148,7 @@ def test_two_level_bootstrap_has_the_two_stage_variance():
 
 
 def test_two_level_bootstrap_with_no_spread_within_seeds_is_the_seed_level_bootstrap():
-    from empo2.stats import two_level_bootstrap
+    from empo2.algo.stats import two_level_bootstrap
 
     seed_means = [3.0, -8.0, 12.0, 15.0, 5.0, 1.0]
     units = [[m] * 7 for m in seed_means]  # every instance of a seed scores alike: only the seeds vary

@@ -6,7 +6,7 @@ from empo2.config import load_config
 from empo2.envs import TaskSpec, get_catalogue
 from empo2.envs.scienceworld_tasks import DEFAULT_OOD_TASKS, TASK_BUDGETS
 from empo2.rollout.build import validation_task_types, validation_tasks
-from empo2.train import start_lines, validation_line
+from empo2.workflows.train import start_lines, validation_line
 
 SPREAD = ["lifespan-longest-lived", "find-non-living-thing", "find-living-thing"]
 

@@ -105,7 +105,7 @@ class StopTokens:
         self.eos = frozenset(eos)
         self.size = max(len(tokenizer), vocab_size or 0)
         special = set(tokenizer.all_special_ids)
-        # One batched decode of the whole vocabulary (~0.1 s for 50k ids) instead of decoding per step.
+        # One batched decode of the whole vocabulary (docs/performance.md) instead of decoding per step.
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
         self.newline = frozenset(i for i, t in enumerate(texts) if "\n" in t and i not in special)
         self._tables: dict[torch.device, torch.Tensor] = {}

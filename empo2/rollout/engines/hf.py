@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 
-from empo2.prefix_cache import PrefixCaches, cheapest_runs
+from empo2.models.prefix_cache import PrefixCaches, cheapest_runs
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
 
 

