@@ -6,7 +6,7 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
 (the least disturbed estimate). A run is `empo2.workflows.train.train` with the configuration's own settings and
 `trainer.iterations=--iterations` (`--demo-iterations`):
 
-- `headline`: the first run of `experiments/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
+- `headline`: the first run of `grids/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
 - `demo`: `empo2 train` with the defaults: SmolLM2-135M on MiniSci, the real-LLM run (`make demo` runs the small
   tips reader instead);
 - `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
@@ -72,7 +72,8 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     if config == "headline":
         from empo2.workflows.grid import plan_grid
 
-        _, runs = plan_grid(tree / "experiments" / "headline_minisci.yaml", seeds=[0],
+        grid = next(p for p in (tree / d / "headline_minisci.yaml" for d in ("grids", "experiments")) if p.is_file())
+        _, runs = plan_grid(grid, seeds=[0],  # grids/, or experiments/ in a tree from before grids/ existed
                             overrides=[f"run_root={run_root}", f"trainer.iterations={iterations}"])
         cfg = runs[0].cfg
     else:

@@ -25,13 +25,14 @@ SUBCOMMANDS = {
             "[variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
     "adapt": "memory-only adaptation to unseen tasks, no parameter updates: `empo2 adapt [ckpt=...] [trials=K] "
              "[split=test] [variations=N] [rollouts=N] [tasks=a,b] [out=DIR] [overrides]`",
-    "grid": "run every preset x seed of a grid file: `empo2 grid experiments/ablations.yaml --seeds 3 [--workers N] "
+    "grid": "run every preset x seed of a grid file: `empo2 grid grids/ablations.yaml --seeds 3 [--workers N] "
             "[--launcher slurm] [--status]`",
     "sweep": "Optuna study over a search space: `empo2 sweep sweeps/NAME.yaml [--workers N] [--launcher slurm]`",
     "compare": "table and learning curves of an MLflow experiment: "
                "`empo2 compare --experiment NAME [--group-by preset|trial|TAG]`",
     "models": "list the policy presets and whether each is available on this machine",
-    "config": "list the config groups and their options, or every field of one: `empo2 config [GROUP|train]`",
+    "config": "list the config groups and their options, every field of one, or the presets: "
+              "`empo2 config [GROUP|train|experiment]`",
 }
 
 
@@ -321,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
             p.set_defaults(func=_cmd_train)
         elif name == "config":
-            p.add_argument("section", nargs="?", help="a group (algo, env, ...) or `train` for the root fields")
+            p.add_argument("section", nargs="?", help="a group (algo, env, ...), `train` for the root fields or "
+                                                       "`experiment` for the presets")
             p.set_defaults(func=_cmd_config)
         elif name == "models":
             p.set_defaults(func=_cmd_models)

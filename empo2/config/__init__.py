@@ -22,11 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from empo2.config.experiments import expand_experiment
+from empo2.config.experiments import (
+    PROJECT_DIR,
+    available_presets,
+    experiment_override,
+    preset_descriptions,
+    register_presets,
+)
 from empo2.config.presets import PRESETS
 from empo2.utils.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = PROJECT_DIR / "conf"
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
@@ -422,10 +428,14 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
-    experiment: str | None = opt(None, "Preset applied before the other overrides: a name from experiments/ "
-                                 "(`empo2 train experiment=grpo_minisci`) or the path of a preset YAML such as a "
-                                 "sweep's best.yaml. The command line's own overrides win over the preset's.",
+    experiment: str | None = opt(None, "Preset, Hydra's `experiment` group: a name from experiments/ "
+                                 "(`empo2 train experiment=grpo_minisci`; `empo2 config experiment` lists them) or "
+                                 "the path of a preset file such as a sweep's best.yaml. Composed after every group "
+                                 "and root value; the command line's own overrides win over the preset's.",
                                  nullable=True)
+    description: str | None = opt(None, "One line saying what the preset is for; each preset sets its own. It "
+                                  "documents the run and changes no result (grids resume across a changed one).",
+                                  nullable=True)
     seed: int = opt(0, "Seed of every random draw (task sampling, modes, generation).", ge=0)
     run_root: str = opt("outputs", "Directory under which each run gets its own folder.")
     run_name: str | None = opt(None, "Run folder name; null uses a timestamp.", nullable=True)
@@ -576,7 +586,8 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = expand_experiment(list(overrides or []))  # a preset's overrides go first, so later ones win
+    overrides, preset = experiment_override(list(overrides or []))
+    register_presets()  # the `empo2-presets://` source of conf/train.yaml's search path
     # The dataclasses are the schema under the YAML files (`- empo2_schema` heads train.yaml's defaults), so
     # every documented field can be overridden even where a group's YAML does not mention it.
     ConfigStore.instance().store(name="empo2_schema", node=TrainConfig)
@@ -589,9 +600,12 @@ def load_config(overrides: list[str] | None = None, config_name: str = "train",
         OmegaConf.set_struct(schema.logger.tags, False)  # free-form: any tag name is allowed
         _reject_unknown_keys(OmegaConf.to_container(raw, resolve=False), TrainConfig, "")
         merged = OmegaConf.merge(schema, raw)
+        merged.experiment = preset  # the preset as given: a name of experiments/ or a file's path
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_one_line(e)) from None
+    except RecursionError:  # Hydra follows a defaults list wherever it leads
+        raise ConfigError(f"experiment={preset}: the presets it builds on form a cycle") from None
     finally:
         GlobalHydra.instance().clear()
     return validate(cfg)
@@ -683,13 +697,20 @@ def _range(meta) -> str:
 
 def describe(section: str | None = None) -> str:
     """`empo2 config`: the groups and their options; `empo2 config algo`: every field of the section with
-    its default, allowed range and documentation (the dataclasses above are the one source)."""
+    its default, allowed range and documentation (the dataclasses above are the one source); `empo2 config
+    experiment`: the presets with their descriptions."""
     if section is None:
         lines = ["config groups (choose an option with GROUP=OPTION, e.g. model=tiny):"]
         lines += [f"  {g:<8} {', '.join(group_options(g))}" for g in GROUPS]
+        lines += [f"  {'experiment':<8} {', '.join(available_presets())}  (presets: `empo2 config experiment`)"]
         lines += ["root fields: `empo2 config train`; a section's fields: `empo2 config GROUP`; "
                   "the resolved config of a command line: `empo2 train ... --cfg`"]
         return "\n".join(lines)
+    if section == "experiment":
+        described = preset_descriptions()
+        width = max(map(len, described), default=0)
+        return "\n".join(["experiment (presets of experiments/, `empo2 train experiment=NAME`; a path ending in .yaml "
+                          "names a preset file):", *(f"  {n:<{width}}  {d}" for n, d in described.items())])
     defaults = TrainConfig()
     if section == "train":
         obj, prefix = defaults, ""
@@ -698,9 +719,10 @@ def describe(section: str | None = None) -> str:
     else:
         import difflib
 
-        close = difflib.get_close_matches(section, ["train", *GROUPS], n=1)
+        close = difflib.get_close_matches(section, ["train", *GROUPS, "experiment"], n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}")
+        raise ConfigError(f"{section}: no such config section{hint}; choose from train, {', '.join(GROUPS)}, "
+                          "experiment")
     options = f"options {', '.join(group_options(section))}" if section != "train" else "root fields"
     return "\n".join([f"{section} ({options}):", *field_lines(obj, prefix)])
 

@@ -1,6 +1,6 @@
 """`empo2 grid`: every preset x seed of a grid file, in local worker processes or as SLURM jobs (slurm.py).
 
-A grid file (experiments/ablations.yaml) lists presets and the overrides shared by all runs:
+A grid file (grids/ablations.yaml) lists presets of experiments/ and the overrides shared by all runs:
 
     name: ablations                 # grid id: run folders <run_root>/<name>/<preset>-s<seed>, MLflow tag `grid`
     mlflow_experiment: empo2-ablations   # one MLflow experiment for the whole grid (default: name)
@@ -115,6 +115,8 @@ def is_finished(run: GridRun) -> bool:
         return False
     saved = json.loads(summary_path.read_text()).get("config", {})
     wanted = json.loads(json.dumps(to_dict(run.cfg), default=str))
+    for config in (saved, wanted):
+        config.pop("description", None)  # documents the preset, changes no result (and runs before it had none)
     diff = _first_difference(saved, wanted)
     if diff:
         raise ConfigError(f"{run.label}: {run.run_dir} finished with {diff}; give the grid another name or "

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from empo2.config import ConfigError
+from empo2.config.experiments import preset_config, preset_text
 from empo2.workflows.launch import WorkerPool, hydra_quote, last_line
 from empo2.workflows.runs import check_tracking, tracking_uri
 from empo2.workflows.slurm import (
@@ -114,19 +115,17 @@ def _space_change(old: dict, new: dict) -> str:
 
 
 def _write_best(study, spec: SweepSpec, path: Path) -> dict:
-    """The best trial as a preset file: the sweep's preset and fixed overrides, then its parameters."""
-    import yaml
-
+    """The best trial as a preset file: built on the sweep's preset, with its fixed overrides, then its parameters."""
     best = study.best_trial
     params = {p.key: best.params[p.key] for p in spec.space if p.key in best.params}
     lines = [p.override(params[p.key]) for p in spec.space if p.key in params]
-    header = (f"# Best trial {best.number} of Optuna study {spec.study!r}: {spec.metric} = {best.value:.6g} "
-              f"({spec.direction}).\n# Train with it: empo2 train experiment={path}\n")
-    preset = {"base": spec.preset} if spec.preset else {}
-    body = yaml.safe_dump({**preset, "overrides": spec.fixed + lines}, sort_keys=False, width=1000)
+    description = f"best trial {best.number} of Optuna study {spec.study}: {spec.metric} = {best.value:.6g}"
+    comment = (f"# Best trial {best.number} of Optuna study {spec.study!r}: {spec.metric} = {best.value:.6g} "
+               f"({spec.direction}).\n# Train with it: empo2 train experiment={path}\n")
+    text = preset_text(preset_config([spec.preset] if spec.preset else [], spec.fixed + lines, description), comment)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(header + body)
+    tmp.write_text(text)
     tmp.replace(path)  # whole or not at all: a reader never sees half a file
     return {"number": best.number, "value": best.value, "params": params}
 

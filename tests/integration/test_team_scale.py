@@ -161,7 +161,7 @@ def test_workers_started_at_once_share_one_study_and_a_killed_workers_trial_is_r
     written = [o for o in out[1:] if "\nwritten " in o]
     assert len(written) == 1 and sum("already written (unchanged)" in o for o in out[1:]) == 1
     best = (team_sweep["runs"] / "team" / "best.yaml").read_text()
-    assert f"Best trial {study.best_trial.number} " in best and "base: grpo_minisci" in best
+    assert f"Best trial {study.best_trial.number} " in best and "- /experiment/grpo_minisci" in best
     print(f"team sweep: 3 workers, one killed, {len(trials)} trials in {team_sweep['seconds']:.0f} s")
 
 

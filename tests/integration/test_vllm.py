@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from empo2.algo.core_algos import logprob_gap
 from empo2.config import AlgoConfig, ModelConfig, TrainerConfig, load_config
-from empo2.config.experiments import EXPERIMENTS_DIR
+from empo2.config.experiments import PROJECT_DIR
 from empo2.envs import get_catalogue, make_env
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
@@ -303,8 +303,8 @@ def assert_ranks_agree(run_dir: Path) -> None:
 
 # the launcher recipes' files (docs/real_models_and_gpus.md#launchers): `trainer=fsdp engine=vllm` on 2 CPU processes,
 # one short iteration; the sweep's overrides are the run every launcher test starts
-LAUNCHER_GRID = EXPERIMENTS_DIR / "launchers_minisci.yaml"
-LAUNCHER_SWEEP = EXPERIMENTS_DIR.parent / "sweeps" / "launchers_minisci.yaml"
+LAUNCHER_GRID = PROJECT_DIR / "grids" / "launchers_minisci.yaml"
+LAUNCHER_SWEEP = PROJECT_DIR / "sweeps" / "launchers_minisci.yaml"
 FSDP_VLLM = list(OmegaConf.load(LAUNCHER_SWEEP).overrides)
 
 

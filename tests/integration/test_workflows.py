@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from empo2.algo.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
 from empo2.config import ConfigError, load_config
-from empo2.config.experiments import EXPERIMENTS_DIR
+from empo2.config.experiments import PROJECT_DIR
 from empo2.envs import get_catalogue
 from empo2.workflows.compare import run_memory_gain
 from empo2.workflows.evaluate import adapt, resolve_checkpoint, run_config
@@ -284,7 +284,7 @@ def test_sweep_with_two_workers_prunes_nests_and_writes_a_usable_best_file(tmp_p
     assert sorted(r.data.tags["optuna.state"] for r in children) == sorted(s.name for s in states)
 
     best = root / "tiny-sweep" / "best.yaml"
-    assert "base: grpo_minisci" in best.read_text()
+    assert "- /experiment/grpo_minisci" in best.read_text()  # a Hydra preset built on the sweep's
     summary = train(load_config([f"experiment={best}", f"run_root={root}", "run_name=best", "logger=none"]))
     assert (summary["config"]["algo"]["beta_start"], summary["config"]["algo"]["q"]) == (1.0, 0.8)
     assert summary["config"]["experiment"] == str(best)
@@ -302,15 +302,18 @@ def test_sweep_with_two_workers_prunes_nests_and_writes_a_usable_best_file(tmp_p
     assert len((out / "trials_tiny-sweep.csv").read_text().splitlines()) == 5
 
 
+GRIDS = PROJECT_DIR / "grids"
+
+
 def test_grid_files_plan_every_preset_and_seed():
-    grid_id, runs = plan_grid(EXPERIMENTS_DIR / "ablations_minisci.yaml", seeds="0,4", overrides=["model=tiny"])
+    grid_id, runs = plan_grid(GRIDS / "ablations_minisci.yaml", seeds="0,4", overrides=["model=tiny"])
     assert grid_id == "ablations_minisci" and len(runs) == 12
     r = runs[-1]
     assert (r.preset, r.seed, r.cfg.seed, r.cfg.model.name) == ("memory_only_minisci", 4, 4, "tiny")
     assert r.cfg.logger.tags == {"grid": "ablations_minisci", "seed": "4"}
     assert r.cfg.run_name == "ablations_minisci/memory_only_minisci-s4"
     assert {x.cfg.logger.experiment for x in runs} == {"empo2-ablations-minisci"}
-    _, gpu_runs = plan_grid(EXPERIMENTS_DIR / "ablations.yaml", seeds=1)
+    _, gpu_runs = plan_grid(GRIDS / "ablations.yaml", seeds=1)
     assert [r.preset for r in gpu_runs] == ["empo2_paper", "empo2_official", "grpo", "no_offpolicy",
                                             "no_intrinsic", "memory_only"]
 
@@ -318,7 +321,7 @@ def test_grid_files_plan_every_preset_and_seed():
 def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_on():
     """The paper presets set tips_in_history=false; the *_minisci_tips presets put the prior's own layout back
     (the prior refuses any other) and keep the algorithm of the preset they build on, but for top_k."""
-    grid_id, runs = plan_grid(EXPERIMENTS_DIR / "headline_minisci_tips.yaml", seeds=1)
+    grid_id, runs = plan_grid(GRIDS / "headline_minisci_tips.yaml", seeds=1)
     assert [r.preset for r in runs] == ["empo2_paper_minisci_tips", "grpo_minisci_tips", "no_offpolicy_minisci_tips",
                                         "no_intrinsic_minisci_tips", "memory_only_minisci_tips"]
     for r in runs:
@@ -329,7 +332,7 @@ def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_o
         assert dataclasses.asdict(c.algo) == dataclasses.asdict(under.algo)
     same = {r.preset: r.cfg for r in runs}
     for grid, top_k in (("rank_score", 3), ("top1", 1)):  # the same runs but for the memory's reading, logged apart
-        _, ranked = plan_grid(EXPERIMENTS_DIR / f"headline_minisci_tips_{grid}.yaml", seeds=1)
+        _, ranked = plan_grid(GRIDS / f"headline_minisci_tips_{grid}.yaml", seeds=1)
         assert [r.preset for r in ranked] == [p for p in same if p != "grpo_minisci_tips"]
         for r in ranked:
             assert (r.cfg.memory.rank_by, r.cfg.memory.top_k) == ("score", top_k)
@@ -337,7 +340,7 @@ def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_o
             assert dataclasses.asdict(r.cfg.algo) == dataclasses.asdict(same[r.preset].algo)
             assert r.cfg.logger.experiment == f"empo2-headline-minisci-tips-{grid.replace('_', '-')}"
     # the signed prior's grid: every preset again, each differing from the one-tip grid's in the prior only
-    _, signed = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed.yaml", seeds=1)
+    _, signed = plan_grid(GRIDS / "headline_minisci_signed.yaml", seeds=1)
     assert [r.preset for r in signed] == list(same)
     for r in signed:
         assert (r.cfg.model.name, r.cfg.memory.top_k, r.cfg.memory.rank_by) == ("minisci-tips-signed", 1, "score")
@@ -353,8 +356,8 @@ def test_the_powered_headline_is_empo2_against_grpo_on_ten_seeds_and_48_held_out
     """The decisive contrast of the signed grid again, powered: only the seeds and the held-out list differ."""
     from empo2.rollout.build import validation_tasks
 
-    _, powered = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed_powered.yaml")
-    _, signed = plan_grid(EXPERIMENTS_DIR / "headline_minisci_signed.yaml", seeds=1)
+    _, powered = plan_grid(GRIDS / "headline_minisci_signed_powered.yaml")
+    _, signed = plan_grid(GRIDS / "headline_minisci_signed.yaml", seeds=1)
     assert sorted({r.preset for r in powered}) == ["empo2_paper_minisci_tips", "grpo_minisci_tips"]
     assert [r.seed for r in powered if r.preset == "grpo_minisci_tips"] == list(range(10))
     same = {r.preset: r.cfg for r in signed}
@@ -370,7 +373,7 @@ def test_the_powered_headline_is_empo2_against_grpo_on_ten_seeds_and_48_held_out
 
 def test_shipped_sweeps_load():
     for name in ("empo2", "empo2_minisci"):
-        spec = load_sweep(Path(EXPERIMENTS_DIR).parent / "sweeps" / f"{name}.yaml")
+        spec = load_sweep(PROJECT_DIR / "sweeps" / f"{name}.yaml")
         assert {"algo.p", "algo.q", "algo.delta", "algo.beta_start"} <= {p.key for p in spec.space}
         delta = next(p for p in spec.space if p.key == "algo.delta")
         assert delta.log and delta.low > 0

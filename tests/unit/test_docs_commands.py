@@ -40,7 +40,8 @@ from recipes.minisci_priors.prior_rounds import STAGE_ONE, parse_round, planned_
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-REPO_DIRS = ("empo2", "experiments", "sweeps", "conf", "benchmarks", "recipes", "reports", "docs", "tests", ".ci")
+REPO_DIRS = ("empo2", "experiments", "grids", "sweeps", "conf", "benchmarks", "recipes", "reports", "docs", "tests",
+             ".ci")
 # folders that commands create
 GENERATED = ("outputs/", "benchmarks/results/", "recipes/minisci_priors/results/",
              "recipes/minisci_priors/research/results/")

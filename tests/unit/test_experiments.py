@@ -1,17 +1,21 @@
-"""Presets, grid files and sweep files: composition, the settings each preset stands for, and the
-one-line errors for bad input."""
+"""Presets, grid files and sweep files: composition (as Hydra's `experiment` group, unchanged from the former
+override lists), the settings each preset stands for, and the one-line errors for bad input."""
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 
-from empo2.config import ConfigError, load_config
-from empo2.config.experiments import available_presets
+from empo2.config import ConfigError, load_config, to_dict
+from empo2.config.experiments import EXPERIMENTS_DIR, HEADER, available_presets, preset_descriptions, read_yaml
 from empo2.workflows.evaluate import parse_kv
 from empo2.workflows.grid import parse_seeds, plan_grid
 from empo2.workflows.sweep import load_sweep
 
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["empo2_paper", "empo2_official", "grpo", "no_offpolicy", "no_intrinsic", "memory_only"]
 
 
@@ -112,6 +116,151 @@ def test_a_preset_file_path_works(tmp_path):
     assert (cfg.algo.p, cfg.memory.enabled, cfg.experiment) == (0.1, False, str(path))
 
 
+# Every preset as it was before presets became Hydra configs: `base:` presets whose overrides come first, then
+# `overrides:`, expanded by our own parser into one override list (`former_overrides` below is that parser).
+FORMER = ROOT / "tests" / "data" / "former_presets"
+
+
+def former_overrides(name: str) -> list[str]:
+    data = yaml.safe_load((FORMER / f"{name}.yaml").read_text())
+    bases = [data["base"]] if isinstance(data.get("base"), str) else data.get("base", [])
+    return [o for base in bases for o in former_overrides(base)] + data.get("overrides", [])
+
+
+def _plain(cfg) -> dict:
+    return json.loads(json.dumps(to_dict(cfg), default=str))
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_every_preset_composes_the_config_its_former_override_list_composed(preset):
+    """The resolved config of each preset equals that of its former override list, but for the run's record of
+    the preset (`experiment`, `description`: each preset describes itself in one line)."""
+    config, former = _plain(_cfg(preset)), _plain(load_config(former_overrides(preset)))
+    assert config.pop("experiment") == preset and former.pop("experiment") is None
+    description = config.pop("description")
+    assert config == {k: v for k, v in former.items() if k != "description"}
+    assert isinstance(description, str) and description.strip() and "\n" not in description
+
+
+def test_no_preset_was_lost_and_every_file_of_experiments_is_a_hydra_preset():
+    assert set(available_presets()) == {p.stem for p in FORMER.glob("*.yaml")}
+    for name in available_presets():
+        text = (EXPERIMENTS_DIR / f"{name}.yaml").read_text()
+        data = read_yaml(EXPERIMENTS_DIR / f"{name}.yaml", "preset")
+        assert text.startswith(HEADER + "\n") and not set(data) & {"base", "overrides", "presets"}, name
+        assert data["defaults"][-1] == "_self_" and len(data["description"]) <= 110, name
+    assert all("presets" in read_yaml(p, "grid") for p in (ROOT / "grids").glob("*.yaml"))
+
+
+FORMER_BEST = """# Best trial 3 of Optuna study 'empo2-minisci': val/score_nomem = 0.4 (maximize).
+base: empo2_paper_minisci
+overrides:
+- trainer.iterations=20
+- trainer.val_every=5
+- algo.p=0.3
+- algo.q=0.5
+- algo.delta=0.001
+- algo.beta_start=1.0
+- algo.beta_end=0.1
+- algo.mode_granularity=step
+"""
+
+
+def _former_best() -> dict:
+    """FORMER_BEST's config as the former parser composed it: its base's override list, then its own."""
+    own = yaml.safe_load(FORMER_BEST)["overrides"]
+    config = _plain(load_config(former_overrides("empo2_paper_minisci") + own))
+    return {k: v for k, v in config.items() if k not in ("experiment", "description")}
+
+
+def test_a_best_yaml_in_the_former_format_still_loads_through_the_migration(tmp_path):
+    path = tmp_path / "best.yaml"
+    path.write_text(FORMER_BEST)
+    config = _plain(load_config([f"experiment={path}"]))
+    assert config.pop("experiment") == str(path)
+    assert config.pop("description") == preset_descriptions()["empo2_paper_minisci"]  # the base's: it has none
+    assert config == _former_best()
+
+
+def test_a_sweep_writes_its_best_trial_as_a_hydra_preset_that_composes_as_the_former_file(tmp_path):
+    import optuna
+    from empo2.workflows.sweep import _write_best
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("study: s\npreset: empo2_paper_minisci\noverrides: [trainer.iterations=20, trainer.val_every=5]\n"
+                     "space:\n  algo.p: {type: float, low: 0.1, high: 0.6}\n"
+                     "  algo.q: {type: float, low: 0.0, high: 1.0}\n"
+                     "  algo.delta: {type: float, low: 1.0e-4, high: 0.1, log: true}\n"
+                     "  algo.beta_start: {type: float, low: 0.0, high: 1.5}\n"
+                     "  algo.beta_end: {type: float, low: 0.0, high: 0.5}\n  algo.mode_granularity: [step, episode]\n")
+    spec = load_sweep(sweep)
+    study = optuna.create_study(direction="maximize")
+    params = {"algo.p": 0.3, "algo.q": 0.5, "algo.delta": 0.001, "algo.beta_start": 1.0, "algo.beta_end": 0.1,
+              "algo.mode_granularity": "step"}
+    distributions = {"algo.mode_granularity": optuna.distributions.CategoricalDistribution(["step", "episode"])}
+    distributions |= {k: optuna.distributions.FloatDistribution(0.0001, 1.5) for k in params if k not in distributions}
+    study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=0.4))
+    best = tmp_path / "best.yaml"
+    _write_best(study, spec, best)
+    text = best.read_text()
+    assert text.startswith(HEADER + "\n") and "/experiment/empo2_paper_minisci" in text and "base:" not in text
+    config = _plain(load_config([f"experiment={best}"]))
+    assert config.pop("description") == "best trial 0 of Optuna study s: val/score_nomem = 0.4"
+    assert config.pop("experiment") == str(best)
+    assert config == _former_best()
+
+
+def test_a_preset_file_builds_on_presets_and_chooses_groups_through_its_defaults_list(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"{HEADER}\ndescription: mine\ndefaults:\n  - /experiment/grpo_minisci\n"
+                    "  - override /model: tiny\n  - _self_\nalgo:\n  p: 0.1\n")
+    cfg = load_config([f"experiment={path}", "algo.q=0.2"])
+    assert (cfg.algo.p, cfg.algo.q, cfg.algo.name, cfg.model.name, cfg.memory.enabled) == (0.1, 0.2, "grpo", "tiny",
+                                                                                           False)
+    assert (cfg.experiment, cfg.description) == (str(path), "mine")
+    assert load_config(["experiment=null"]).experiment is None
+    path.write_text("description: no header\nalgo:\n  p: 0.1\n")
+    with pytest.raises(ConfigError, match="a preset starts with the line `# @package _global_`"):
+        load_config([f"experiment={path}"])
+
+
+def test_config_experiment_lists_every_preset_with_its_description():
+    from empo2.config import describe
+
+    listing = describe("experiment").splitlines()
+    for name, description in preset_descriptions().items():
+        assert any(line.split()[:1] == [name] and line.endswith(description) for line in listing), name
+    assert "experiment" in describe() and "grpo_minisci" in describe()
+
+
+def test_a_finished_grid_run_resumes_across_the_description_field_but_not_across_a_setting(tmp_path):
+    from empo2.workflows.grid import is_finished
+
+    grid = tmp_path / "g.yaml"
+    grid.write_text("presets: [grpo_minisci]\n")
+    (run,) = plan_grid(grid, overrides=[f"run_root={tmp_path}"])[1]
+    saved = _plain(run.cfg)
+    del saved["description"]  # a run finished before presets had one
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "summary.json").write_text(json.dumps({"config": saved}))
+    assert is_finished(run)
+    saved["algo"]["p"] = 0.5
+    (run.run_dir / "summary.json").write_text(json.dumps({"config": saved}))
+    with pytest.raises(ConfigError, match="algo.p=0.5"):
+        is_finished(run)
+
+
+
+def test_a_run_saved_before_presets_had_a_description_still_loads_for_eval(tmp_path):
+    from empo2.workflows.evaluate import run_config
+
+    saved = _plain(_cfg("grpo_minisci"))
+    del saved["description"]  # a run's config as it was saved before presets had one
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "summary.json").write_text(json.dumps({"config": saved}))
+    cfg = run_config(tmp_path / "checkpoints" / "last.ckpt", ["env.val_variations=3"])
+    assert (cfg.experiment, cfg.description, cfg.algo.name, cfg.env.val_variations) == ("grpo_minisci", None, "grpo", 3)
+
 @pytest.mark.parametrize("text, needle", [
     ("overrides: [algo.p=0.1]\nextra: 1\n", "unknown key 'extra'"),
     ("base: cyc\n", "cycle"),
@@ -130,7 +279,7 @@ def test_bad_preset_files_give_one_line(tmp_path, text, needle):
 @pytest.mark.parametrize("override, needle", [
     ("experiment=no_such_preset", "unknown preset (available: "),
     ("experiment=/nowhere/x.yaml", "no such preset file"),
-    ("experiment=ablations", "is a grid"),
+    (f"experiment={ROOT / 'grids' / 'ablations.yaml'}", "is a grid"),
 ])
 def test_bad_preset_references(override, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
