@@ -1,7 +1,7 @@
-"""Share of rollout wall time the collector itself costs (everything but generation), bundled SmolLM2 on MiniSci.
+"""Share of rollout wall time the rollout worker itself costs (everything but generation), bundled SmolLM2 on MiniSci.
 
-One `RolloutCollector.collect` with the default CPU config (prompt building, retrieval, environment
-steps, novelty counting, tip sanitising/embedding/insertion, advantages) is timed by the collector's
+One `RolloutWorker.collect` with the default CPU config (prompt building, retrieval, environment
+steps, novelty counting, tip sanitising/embedding/insertion, advantages) is timed by the worker's
 own split: generate (actions), tips (tip generation), env (steps), memory (retrieval, tip sanitising,
 embedding and insertion). The overhead is rollout time minus action and tip generation. A second
 batch runs with a filled memory and p=1 so retrieval is exercised. Prints a table and writes JSON.
@@ -21,7 +21,8 @@ import torch
 from empo2.config import load_config
 from empo2.envs import get_catalogue
 from empo2.models import load_policy
-from empo2.rollout.build import build_collector
+from empo2.rollout.build import build_worker
+from empo2.rollout.spec import collection_spec
 
 
 def main() -> None:
@@ -33,19 +34,19 @@ def main() -> None:
     cfg = load_config([])
     model, tok = load_policy(cfg.model)
     n = cfg.rollout.tasks_per_batch * cfg.rollout.group_size
-    collector = build_collector(cfg, model, tok, n)
+    worker = build_worker(cfg, model, tok, n)
     tasks = get_catalogue("minisci").sample(cfg.rollout.tasks_per_batch, "train", seed=0, variations=1)
     rows = []
     for label, p in (("memory empty", cfg.algo.p), ("memory filled, p=1", 1.0)):
-        collector.settings.p = p
-        stats = collector.collect(tasks, cfg.rollout.group_size, 0, torch.Generator().manual_seed(0)).stats
+        stats = worker.collect(collection_spec(cfg, p=p), tasks, cfg.rollout.group_size, 0,
+                               torch.Generator().manual_seed(0)).stats
         total = stats["time/rollout_s"]
         overhead = total - stats["time/generate_s"] - stats["time/tips_s"]
         rows.append({"batch": label, "rollout_s": total, "generate_s": stats["time/generate_s"],
                      "tips_s": stats["time/tips_s"], "env_s": stats["time/env_s"], "memory_s": stats["time/memory_s"],
                      "overhead_s": overhead, "overhead_share": overhead / total,
                      "memory_frac": stats["rollout/memory_frac"], "tokens": stats["rollout/tokens_generated"]})
-    for env in collector.envs:
+    for env in worker.envs:
         env.close()
     print(f"{'batch':<20} {'rollout s':>9} {'generate s':>10} {'tips s':>7} {'env s':>6} {'memory s':>8} "
           f"{'overhead':>9}")

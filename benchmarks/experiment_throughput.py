@@ -18,7 +18,7 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
 The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
 and the validation before training are not counted; the periodic validation and the checkpoints are.
 Phases are the wall time inside the real methods, summed over the window, as shares of it: rollout
-(`RolloutCollector.collect`, its `generate` part separately), old log-probs (`EMPO2Module.old_logprobs`),
+(`RolloutWorker.collect`, its `generate` part separately), old log-probs (`EMPO2Module.old_logprobs`),
 update (`EMPO2Module.training_step`), validation (`RolloutCallback.validate`), checkpoint writes
 (`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Update positions
 are those the update's decoder passes ran, relative to the samples' own prompt + response tokens: above zero
@@ -62,8 +62,12 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     from empo2.config import load_config
     from empo2.lit import callbacks as cb_mod
     from empo2.lit import checkpoint_io, module
-    from empo2.rollout import collector as collector_mod
     from empo2.workflows.train import train
+
+    try:  # the rollout worker, or in a commit from before it the collector that played its part
+        from empo2.rollout.worker import RolloutWorker as Rollouts
+    except ImportError:
+        from empo2.rollout.collector import RolloutCollector as Rollouts
 
     if config == "headline":
         from empo2.workflows.grid import plan_grid
@@ -92,24 +96,20 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
                     phases[phase] += time.perf_counter() - t0
         setattr(owner, name, wrapper)
 
-    real_produce = cb_mod.RolloutCallback.produce
-
-    def produce(self, trainer, pl_module):
-        marks.setdefault("start", time.perf_counter())
-        return real_produce(self, trainer, pl_module)
-
-    cb_mod.RolloutCallback.produce = produce
-    real_collect = collector_mod.RolloutCollector.collect
+    real_collect = Rollouts.collect
 
     def collect(self, *args, **kwargs):  # training rollouts only: validation's are timed by `validate`
+        scoring = getattr(args[0], "scoring", False) or kwargs.get("evaluate", False)  # a spec, or the old flag
         t0 = time.perf_counter()
+        if not scoring:  # the window opens with the first iteration's rollouts
+            marks.setdefault("start", t0)
         batch = real_collect(self, *args, **kwargs)
-        if "start" in marks and not kwargs.get("evaluate", False):
+        if "start" in marks and not scoring:
             phases["rollout"] += time.perf_counter() - t0
             phases["generate"] += batch.stats["time/generate_s"] + batch.stats["time/tips_s"]
         return batch
 
-    collector_mod.RolloutCollector.collect = collect
+    Rollouts.collect = collect
     timed(module.EMPO2Module, "old_logprobs", "old_logprobs")
     timed(module.EMPO2Module, "training_step", "update")
     timed(cb_mod.RolloutCallback, "validate", "validation")

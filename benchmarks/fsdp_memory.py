@@ -8,9 +8,9 @@ Each phase is a window: when it starts, the kernel's peak resident set (VmHWM) i
 written to /proc/self/clear_refs); when it ends, VmHWM is that phase's peak, the memory the phase found resident
 (weights, the engine, the optimiser state, and what the allocator kept of earlier phases) included, and its rise is
 that peak less the resident set when the window opened: what the phase itself added. The phases are the calls this
-script wraps, which never nest and cover the iteration: `rollouts` (`RolloutCallback.produce`: the engine's first
-sync, the policy gathered where the engine generates with it, the rollouts and tips, the old log-probs), `update`
-(`EMPO2Module.training_step`, the largest over its calls) and `sync and validation`
+script wraps, which never nest and cover the iteration: `rollouts` (`RolloutCallback.produce_iteration`: the
+engine's first sync, the policy gathered where the engine generates with it, the rollouts and tips, the old
+log-probs), `update` (`EMPO2Module.training_step`, the largest over its calls) and `sync and validation`
 (`RolloutCallback.on_train_epoch_end`: the weight sync, the policy gathered where needed, validation);
 `iteration start` is the resident set when the iteration starts (the policy, its shards and the engine built).
 Every rank's numbers go to rank 0, which writes the JSON report. The same script measures another checkout of the
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this measurement in the report (e.g. before, after)")
     args, overrides = ap.parse_known_args()
     quiet_libraries()
-    _windowed(RolloutCallback, "produce", "rollouts")
+    _windowed(RolloutCallback, "produce_iteration", "rollouts")
     _windowed(EMPO2Module, "training_step", "update")
     _windowed(RolloutCallback, "on_train_epoch_end", "sync and validation")
     run_root = Path(args.out).resolve().parent / "fsdp_memory_runs"

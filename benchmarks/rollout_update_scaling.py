@@ -1,8 +1,8 @@
 """How rollout time and update time grow with group size N and with history length, on MiniSci.
 
 Each configuration runs what one training iteration runs, with the real pieces and the CPU config
-(`conf/train.yaml` plus overrides): one `RolloutCollector.collect` of `--tasks` task instances x N
-rollouts (`build_collector`: HF engine, prompt builder, tip memory, novelty bonus, tip writing), then
+(`conf/train.yaml` plus overrides): one `RolloutWorker.collect` of `--tasks` task instances x N
+rollouts (`build_worker`: HF engine, prompt builder, tip memory, novelty bonus, tip writing), then
 the update on exactly those step samples: `EMPO2Module.old_logprobs` on the behaviour prompts, and one
 pass of `EMPO2Module.training_step` over the micro-batches that `RolloutDataModule` streams
 (`trainer.ppo_epochs` shuffled passes of mini-batches of `trainer.mini_batch_size` samples, split into
@@ -64,7 +64,8 @@ from empo2.envs import get_catalogue
 from empo2.lit.data import RolloutDataModule
 from empo2.lit.module import EMPO2Module
 from empo2.models import load_policy
-from empo2.rollout.build import build_collector
+from empo2.rollout.build import build_worker
+from empo2.rollout.spec import collection_spec
 from empo2.utils import seed_everything
 
 
@@ -81,23 +82,29 @@ def make_config(model: str, group_size: int, max_steps: int, history: int | None
     return cfg
 
 
+class FilledBuffer(L.Callback):
+    """The rollout source of a fit whose buffer `measure` filled before it: nothing left to produce."""
+
+    def produce_iteration(self, trainer: L.Trainer) -> None:
+        pass
+
+
 def measure(cfg: TrainConfig, model, tok, initial: dict[str, torch.Tensor]) -> dict:
     """One rollout batch and the update on it, from the initial weights."""
     model.load_state_dict(initial)
     seed_everything(cfg.seed)
     r, t = cfg.rollout, cfg.trainer
-    collector = build_collector(cfg, model, tok, r.tasks_per_batch * r.group_size)
+    worker = build_worker(cfg, model, tok, r.tasks_per_batch * r.group_size)
     tasks = get_catalogue("minisci").sample(r.tasks_per_batch, "train", seed=0, variations=1)
     try:
-        batch = collector.collect(tasks, r.group_size, 0, torch.Generator().manual_seed(cfg.seed))
+        batch = worker.collect(collection_spec(cfg), tasks, r.group_size, 0, torch.Generator().manual_seed(cfg.seed))
     finally:
-        for env in collector.envs:
+        for env in worker.envs:
             env.close()
     samples, stats = batch.samples, batch.stats
 
     model.train()  # as train() does before fit; generation restores the mode it found
     datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed)
-    datamodule.producer = lambda: None  # the buffer is filled here, not by a RolloutCallback
     module = EMPO2Module(model, tok, cfg.algo, t, datamodule.buffer)
     start = time.perf_counter()
     old = module.old_logprobs(samples, t.micro_batch_size)
@@ -105,7 +112,8 @@ def measure(cfg: TrainConfig, model, tok, initial: dict[str, torch.Tensor]) -> d
     datamodule.set_rollouts(samples, old, 0, math.ceil(len(samples) / t.mini_batch_size))
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1, callbacks=[timer])
+                        enable_checkpointing=False, enable_model_summary=False, max_epochs=1,
+                        callbacks=[FilledBuffer(), timer])
     trainer.fit(module, datamodule=datamodule)
     update_s = sum(timer.times)
 

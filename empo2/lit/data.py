@@ -1,9 +1,9 @@
 """The rollout buffer and the stream of mini-batches the Lightning module trains on.
 
-Every pass over `RolloutDataModule`'s IterableDataset is one iteration: it first asks its producer
-(`RolloutCallback.produce`) to fill the buffer with fresh rollouts, then yields the micro-batches of
-`ppo_epochs` shuffled passes of mini-batches over them. Producing on iteration rather than in an
-epoch-start hook matters: Lightning creates (and prefetches from) the first epoch's iterator before
+Every pass over `RolloutDataModule`'s IterableDataset is one iteration: it first asks the Trainer's rollout
+source (the callback with `produce_iteration`: `RolloutCallback`) to fill the buffer with fresh rollouts, then
+yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches over them. Producing on iteration
+rather than in an epoch-start hook matters: Lightning creates (and prefetches from) the first epoch's iterator before
 `on_train_epoch_start`, both on a fresh start and on resume, so a hook-filled buffer would be read
 while still empty. Each rank streams its own buffer (its own share of the rollouts);
 `num_mini_batches` (and, under data parallelism, `micro_per_mini`) even the number of optimiser
@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -199,6 +199,14 @@ def plan_iteration(samples: list[StepSample], iteration: int, num_mini_batches: 
     return plan
 
 
+@runtime_checkable
+class RolloutSource(Protocol):
+    """What fills the buffer: the Trainer's callback that runs the iteration's rollouts (`RolloutCallback`)."""
+
+    def produce_iteration(self, trainer: L.Trainer) -> None:
+        """This iteration's rollouts and old log-probs into the buffer (`RolloutDataModule.set_rollouts`)."""
+
+
 class _MicroBatchStream(IterableDataset):
     """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches (`plan_iteration`); each pass
     over the stream produces a new buffer first, so one DataLoader serves every iteration.
@@ -206,13 +214,13 @@ class _MicroBatchStream(IterableDataset):
     One micro-batch per training step keeps exactly one forward and one backward per step, which is
     what DDP's gradient reducer expects."""
 
-    def __init__(self, buffer: RolloutBuffer, producer: Callable[[], None], ppo_epochs: int,
+    def __init__(self, buffer: RolloutBuffer, source: RolloutSource, trainer: L.Trainer, ppo_epochs: int,
                  micro_batch_size: int, token_budget: int | None, seed: int, rank: int):
-        self.buffer, self.producer, self.ppo_epochs = buffer, producer, ppo_epochs
+        self.buffer, self.source, self.trainer, self.ppo_epochs = buffer, source, trainer, ppo_epochs
         self.micro, self.token_budget, self.seed, self.rank = micro_batch_size, token_budget, seed, rank
 
     def __iter__(self):
-        self.producer()
+        self.source.produce_iteration(self.trainer)
         buf = self.buffer
         if not buf.samples or buf.num_mini_batches == 0:
             return
@@ -241,7 +249,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.buffer = RolloutBuffer()
         self.ppo_epochs, self.seed = ppo_epochs, seed
         self.mini_batch_size, self.micro_batch_size, self.token_budget = mini_batch_size, micro_batch_size, token_budget
-        self.producer: Callable[[], None] | None = None  # set by RolloutCallback.setup
 
     def micro_batches_needed(self, samples: list[StepSample], iteration: int, num_mini_batches: int,
                              rank: int) -> int:
@@ -289,11 +296,11 @@ class RolloutDataModule(L.LightningDataModule):
         return n_mini
 
     def train_dataloader(self) -> DataLoader:
-        if self.producer is None:
+        source = next((cb for cb in self.trainer.callbacks if isinstance(cb, RolloutSource)), None)
+        if source is None:
             raise RuntimeError("RolloutDataModule needs a RolloutCallback in the Trainer to produce rollouts")
-        rank = self.trainer.global_rank if self.trainer is not None else 0
-        stream = _MicroBatchStream(self.buffer, self.producer, self.ppo_epochs, self.micro_batch_size,
-                                   self.token_budget, self.seed, rank)
+        stream = _MicroBatchStream(self.buffer, source, self.trainer, self.ppo_epochs, self.micro_batch_size,
+                                   self.token_budget, self.seed, self.trainer.global_rank)
         # batch_size=None: the stream already yields whole micro-batches; no worker processes, the buffer
         # lives in this process and changes every iteration
         return DataLoader(stream, batch_size=None, num_workers=0)

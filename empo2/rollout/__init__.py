@@ -1,4 +1,5 @@
-"""Rollouts: prompt building, generation engines (HF, vLLM), and the collector that drives the environments."""
+"""Rollouts: prompt building, generation engines (HF, vLLM), the per-call collection spec and the worker that
+plays the environments."""
 
 from empo2.rollout.engines import (
     Generation,

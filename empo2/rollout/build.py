@@ -1,6 +1,6 @@
 """What a config makes of the rollout side: the environments' arguments, the validation tasks, and the
-`RolloutCollector` (engine, prompt builder, environments, tip memory) that training, evaluation and the priors'
-self-play all collect with."""
+`RolloutWorker` (engine, prompt builder, environments, tip memory, novelty counter) that training, evaluation and the
+priors' self-play all collect with (what each call collects: `empo2.rollout.spec`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 from empo2.config import TrainConfig, own_env_fields
 from empo2.envs import TaskSpec, get_catalogue, make_env
 from empo2.memory import Embedder, TipMemory
-from empo2.rollout.collector import CollectorSettings, RolloutCollector
 from empo2.rollout.engines import build_engine
 from empo2.rollout.prompts import PromptBuilder
+from empo2.rollout.worker import RolloutWorker
 
 
 def env_kwargs(cfg: TrainConfig) -> dict:
@@ -124,12 +124,11 @@ def engine_for(cfg: TrainConfig, model, tokenizer):
                         max_model_len=cfg.engine.max_model_len or max_request_tokens(cfg))
 
 
-def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True):
-    """The rollout collector of a config; `with_engine=False` leaves `collector.engine` for the caller to set
-    (training builds it with `engine_for` once the strategy has opened the process group:
-    `RolloutCallback.setup`)."""
+def build_worker(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True) -> RolloutWorker:
+    """The rollout worker of a config; `with_engine=False` leaves the engine for the caller to attach (training
+    builds it with `engine_for` once the strategy has opened the process group: `RolloutCallback.setup`)."""
     engine = engine_for(cfg, model, tokenizer) if with_engine else None
-    drop = cfg.rollout.overlong == "drop"  # whole histories; over-long steps leave training in the collector
+    drop = cfg.rollout.overlong == "drop"  # whole histories; over-long steps leave training in the worker
     builder = PromptBuilder(tokenizer, max_prompt_tokens=sys.maxsize if drop else cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
                             max_request_tokens=cfg.rollout.max_tip_request_tokens or cfg.rollout.max_prompt_tokens,
@@ -142,17 +141,6 @@ def build_collector(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine
         memory = TipMemory(embedder.dim, namespace=m.namespace, capacity_per_namespace=m.capacity,
                            eviction=m.eviction, min_sim=m.min_sim, top_k=m.top_k, utility_weight=m.utility_weight,
                            rank_by=m.rank_by, ef_search=m.ef_search, seed=cfg.seed, raw_tips=m.tip_format == "raw")
-    a, r = cfg.algo, cfg.rollout
-    settings = CollectorSettings(
-        p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, normalize_std=a.normalize_std,
-        intrinsic=a.intrinsic, intrinsic_in_advantage=a.intrinsic_in_advantage,
-        adv_eps=a.adv_eps, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-        max_episode_steps=episode_step_bound(cfg, envs[0]), top_k=cfg.memory.top_k, min_sim=cfg.memory.min_sim,
-        max_tip_words=cfg.memory.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens,
-        tip_temperature=r.tip_temperature, per_step_entries=cfg.memory.per_step_entries,
-        step_entry_key=cfg.memory.step_entry_key, tip_format=cfg.memory.tip_format,
-        key_text=cfg.memory.key_text, tips_in_history=r.tips_in_history,
-        record_logprobs=records_engine_logprobs(cfg), exact_logprobs=generation_logprobs_exact(cfg),
-        drop_over_tokens=r.max_prompt_tokens if drop else None)
     specials = list(getattr(tokenizer, "all_special_tokens", []))
-    return RolloutCollector(engine, builder, envs, memory, embedder, settings, special_tokens=specials)
+    return RolloutWorker(engine, builder, envs, memory, embedder, episode_step_bound(cfg, envs[0]),
+                         special_tokens=specials)

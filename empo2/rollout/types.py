@@ -23,9 +23,9 @@ class StepSample:
     step: int
     advantage: float = 0.0
     # log pi_T(response token) recorded by `generate` when it is exactly the distribution the trainer scores
-    # (see `CollectorSettings.exact_logprobs`); None: the trainer scores the behaviour prompt itself
+    # (see `CollectionSpec.exact_logprobs`); None: the trainer scores the behaviour prompt itself
     behaviour_logprobs: list[float] | None = None
-    # the engine's log-prob of each response token as it sampled it (`CollectorSettings.record_logprobs`), for the
+    # the engine's log-prob of each response token as it sampled it (`CollectionSpec.record_logprobs`), for the
     # sampler/trainer gap and truncated importance sampling; None: not recorded
     engine_logprobs: list[float] | None = None
     # both prompts' first prefix_len tokens are the system and task text (`Prompt.prefix_len`): the CPU update

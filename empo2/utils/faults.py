@@ -1,7 +1,7 @@
 """Fault injection for the kill-and-resume tests: `EMPO2_FAULT=<point>:<iteration>` SIGKILLs the process.
 
 Points (iterations count from 0, like `train/iteration`):
-  rollout     in `RolloutCallback.produce`, after the episodes were played and their tips added to memory,
+  rollout     in `RolloutCallback.collect_rollouts`, after the episodes were played and their tips added to memory,
               before the iteration's samples reach the trainer
   update      in `EMPO2Module.training_step`, right after the iteration's first optimiser step
   checkpoint  in `AtomicCheckpointIO.save_checkpoint`, after the checkpoint's bytes are in the temp file and

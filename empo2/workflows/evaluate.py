@@ -100,15 +100,15 @@ def run_config(ckpt: Path | None, overrides: list[str]) -> TrainConfig:
     return validate(cfg)
 
 
-def _collector(cfg: TrainConfig, ckpt: Path | None, n_envs: int, with_memory_state: bool):
-    """Policy (with the checkpoint's weights) inside a collector; the checkpoint's tips if asked. The policy is in
-    `model.dtype`, the dtype a trained model is read in to be served: a checkpoint's float32 master weights are
+def _worker(cfg: TrainConfig, ckpt: Path | None, n_envs: int, with_memory_state: bool):
+    """Policy (with the checkpoint's weights) inside a rollout worker; the checkpoint's tips if asked. The policy is
+    in `model.dtype`, the dtype a trained model is read in to be served: a checkpoint's float32 master weights are
     rounded to it (bfloat16 for the Qwen presets), not kept at training's float32."""
     import torch
 
-    from empo2.lit.callbacks import RolloutCallback
+    from empo2.lit.callbacks import worker_state
     from empo2.models import load_policy
-    from empo2.rollout.build import build_collector
+    from empo2.rollout.build import build_worker
 
     model, tok = load_policy(cfg.model)
     state = torch.load(ckpt, map_location="cpu", weights_only=True) if ckpt is not None else None
@@ -118,14 +118,14 @@ def _collector(cfg: TrainConfig, ckpt: Path | None, n_envs: int, with_memory_sta
     if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu":
         model.to("cuda")
     model.eval()
-    collector = build_collector(cfg, model, tok, n_envs)  # the engine copies the weights loaded above
-    collector.settings.temperature = cfg.rollout.val_temperature
+    worker = build_worker(cfg, model, tok, n_envs)  # the engine copies the weights loaded above
     if with_memory_state:
         cb_state = next((v for k, v in state["callbacks"].items() if k.startswith("RolloutCallback")), None)
-        if cb_state is None or cb_state.get("memory") is None:
+        saved = worker_state(cb_state) if cb_state is not None else {}
+        if saved.get("memory") is None:
             raise ConfigError(f"ckpt={ckpt}: holds no tip memory (trained with memory.enabled=false?); use memory=off")
-        RolloutCallback(cfg, collector, None, []).load_state_dict(cb_state)
-    return collector
+        worker.load_state_dict(saved)
+    return worker
 
 
 def task_list(cfg: TrainConfig, tasks: str | None, split: str, variations: int, held_out: bool) -> list[TaskSpec]:
@@ -148,20 +148,18 @@ def task_list(cfg: TrainConfig, tasks: str | None, split: str, variations: int, 
         raise ConfigError(f"tasks={tasks}: {e}") from None
 
 
-def _play(collector, tasks: list[TaskSpec], rollouts: int, iteration: int, seed: int, evaluate: bool,
-          use_memory: bool | None) -> tuple[list[dict], list]:
-    """Every task instance `rollouts` times, in chunks the collector's environments hold. Returns the
+def _play(worker, spec, tasks: list[TaskSpec], rollouts: int, iteration: int, seed: int) -> tuple[list[dict], list]:
+    """Every task instance `rollouts` times as `spec` says, in chunks the worker's environments hold. Returns the
     episodes and the tip entries written (adapt adds them only after the whole trial)."""
     import torch
 
     from empo2.lit.data import derive_seed
 
-    per_call = max(1, len(collector.envs) // rollouts)
+    per_call = max(1, len(worker.envs) // rollouts)
     episodes, new_tips = [], []
     for c, start in enumerate(range(0, len(tasks), per_call)):
         generator = torch.Generator().manual_seed(derive_seed(seed, iteration, c))
-        batch = collector.collect(tasks[start:start + per_call], rollouts, iteration, generator, evaluate=evaluate,
-                                  use_memory=use_memory)
+        batch = worker.collect(spec, tasks[start:start + per_call], rollouts, iteration, generator)
         episodes += [{"task": t.task, "variation": t.variation, "score": t.score, "won": t.won, "steps": t.length,
                       "tips_retrieved": len(t.tips_used)} for t in batch.trajectories]
         if batch.new_tips is not None and batch.new_tips[0]:
@@ -192,20 +190,21 @@ def evaluate(cfg: TrainConfig, ckpt: Path, memory: str = "both", split: str = "t
     """Score a checkpoint with memory `on`, `off` or `both`; writes eval_<split>.json and .md in `out` and
     records them as an MLflow run."""
     from empo2.lit.data import derive_seed
+    from empo2.rollout.spec import scoring_spec
 
     modes = {"on": ["mem"], "off": ["nomem"], "both": ["nomem", "mem"]}.get(memory)
     if modes is None:
         raise ConfigError(f"memory={memory!r} is not allowed: expected on, off or both")
     task_specs = task_list(cfg, tasks, split, variations or cfg.env.val_variations, held_out=False)
-    collector = _collector(cfg, ckpt, _n_envs(cfg, task_specs, rollouts), with_memory_state="mem" in modes)
+    worker = _worker(cfg, ckpt, _n_envs(cfg, task_specs, rollouts), with_memory_state="mem" in modes)
     results = {}
     try:
         for mode in modes:
-            episodes, _ = _play(collector, task_specs, rollouts, 0, derive_seed(cfg.seed, 2**22, mode == "mem"),
-                                evaluate=True, use_memory=mode == "mem")
+            episodes, _ = _play(worker, scoring_spec(cfg, with_tips=mode == "mem"), task_specs, rollouts, 0,
+                                derive_seed(cfg.seed, 2**22, mode == "mem"))
             results[mode] = {**summarize(episodes), "episodes_detail": episodes}
     finally:
-        for env in collector.envs:
+        for env in worker.envs:
             env.close()
     out = Path(out or run_dir_of(ckpt) / "eval")
     report = {"checkpoint": str(ckpt), "split": split, "rollouts": rollouts, "modes": results, "config": to_dict(cfg)}
@@ -231,29 +230,29 @@ def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: st
     """K memory-only trials on unseen tasks, each beside the same episodes played tip-free; writes adapt.json,
     adapt.md and adapt_curve.png in `out` and records them as an MLflow run."""
     from empo2.lit.data import derive_seed
+    from empo2.rollout.spec import adaptation_spec, scoring_spec
 
     cfg.memory.enabled = True  # the memory is the whole point: a run trained without one adapts with a fresh one
     task_specs = task_list(cfg, tasks, split, variations or cfg.env.val_variations, held_out=True)
-    collector = _collector(cfg, ckpt, _n_envs(cfg, task_specs, rollouts), with_memory_state=False)
-    collector.settings.p, collector.settings.q = 1.0, 0.0  # every prompt carries tips; nothing is trained
-    collector.add_tips = False  # a trial's tips are added after it, so no episode sees its own trial's tips
+    worker = _worker(cfg, ckpt, _n_envs(cfg, task_specs, rollouts), with_memory_state=False)
+    trial, without_tips = adaptation_spec(cfg), scoring_spec(cfg, with_tips=False)
     per_trial = []
     try:
         for k in range(1, trials + 1):
             seed = derive_seed(cfg.seed, 2**23)
-            episodes, new_tips = _play(collector, task_specs, rollouts, k, seed, evaluate=False, use_memory=None)
+            episodes, new_tips = _play(worker, trial, task_specs, rollouts, k, seed)
             # the same instances and seeds without tips: what the trial's memory adds, trial by trial
-            nomem, _ = _play(collector, task_specs, rollouts, k, seed, evaluate=True, use_memory=False)
-            for entries in new_tips:
-                collector.memory.add(*entries)
-            per_trial.append({"trial": k, **summarize(episodes), "memory_size": len(collector.memory),
+            nomem, _ = _play(worker, without_tips, task_specs, rollouts, k, seed)
+            for entries in new_tips:  # after the trial, so no episode saw its own trial's tips
+                worker.memory.add(*entries)
+            per_trial.append({"trial": k, **summarize(episodes), "memory_size": len(worker.memory),
                               "nomem": summarize(nomem)})
             t = per_trial[-1]
             print(f"trial {k}: score {t['score']:.1f} (tip-free {t['nomem']['score']:.1f}), success "
                   f"{t['success']:.2f} (tip-free {t['nomem']['success']:.2f}), {t['tips_retrieved']:.1f} tips "
                   f"retrieved per episode, {t['memory_size']} in memory")
     finally:
-        for env in collector.envs:
+        for env in worker.envs:
             env.close()
     out = Path(out or (run_dir_of(ckpt) if ckpt is not None else Path(cfg.run_root)) / "adapt")
     report = {"checkpoint": str(ckpt) if ckpt else None, "split": split, "rollouts": rollouts,

@@ -1,7 +1,7 @@
 """`train(cfg) -> summary`: one EMPO² training run, the library call behind `empo2 train`.
 
 It wires the parts together and hands them to a Lightning Trainer: the policy inside `EMPO2Module`,
-the rollout buffer inside `RolloutDataModule`, and the collector (engine, environments, tip memory,
+the rollout buffer inside `RolloutDataModule`, and the `RolloutWorker` (engine, environments, tip memory,
 novelty counter) inside `RolloutCallback`. One Lightning epoch is one iteration.
 """
 
@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     from empo2.lit.module import EMPO2Module
     from empo2.lit.progress import IterationProgressBar, PhaseTimes
     from empo2.lit.strategy import build_strategy
-    from empo2.rollout.build import build_collector, generation_logprobs_exact, validation_tasks
+    from empo2.rollout.build import build_worker, generation_logprobs_exact, validation_tasks
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -228,9 +228,9 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy,
                          temperature=cfg.rollout.temperature)
     n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))
-    collector = build_collector(cfg, model, tok, n_envs, with_engine=False)
+    worker = build_worker(cfg, model, tok, n_envs, with_engine=False)
     times = PhaseTimes(start)
-    rollout_cb = RolloutCallback(cfg, collector, datamodule, val_tasks, train_val_tasks, times)
+    rollout_cb = RolloutCallback(cfg, worker, datamodule, val_tasks, train_val_tasks, times)
     ckpt_dir = run_dir / "checkpoints"
     ckpt_cb = IterationCheckpoint(ckpt_dir, cfg.trainer.ckpt_every, times)
     logger = _logger(cfg, run_dir)
@@ -246,7 +246,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     if logger is not None and trainer.is_global_zero:  # written at once, so a killed run resumes into the same run
         (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
     if trainer.is_global_zero:
-        validation = validation_line(cfg, val_tasks, getattr(collector.envs[0], "budget", None))
+        validation = validation_line(cfg, val_tasks, getattr(worker.envs[0], "budget", None))
         print("\n".join(start_lines(cfg, run_dir, logger.run_id if logger is not None else None, validation)),
               flush=True)
     ckpt_path = Path(cfg.resume).expanduser() if cfg.resume not in ("never", "auto") else None
@@ -265,20 +265,20 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         raise
     finally:
         peak_rss_gib = peak_memory.stop()
-        for env in collector.envs:
+        for env in worker.envs:
             env.close()
         if outer_run_name is None:
             os.environ.pop("EMPO2_RUN_NAME", None)
         else:
             os.environ["EMPO2_RUN_NAME"] = outer_run_name
-    memory = collector.memory
+    memory = worker.memory
     if memory is not None and trainer.is_global_zero:
         memory.save(run_dir / "memory")  # the tips the run ends with, for `empo2 eval/adapt`
     if trainer.world_size > 1:  # one fingerprint per rank: data-parallel ranks must agree exactly
         atomic_write_json(run_dir / f"rank{trainer.global_rank}.json", {
             "weights_sha256": state_fingerprint(module.policy),
             "memory_records": [r.text for r in memory.records()] if memory is not None else [],
-            "novelty_states": len(collector.novelty)})
+            "novelty_states": len(worker.novelty)})
 
     history = rollout_cb.history
     final = {}

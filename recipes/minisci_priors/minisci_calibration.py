@@ -4,7 +4,7 @@ For each difficulty setting (`--settings`, each a comma list of env overrides su
 `num_rooms=4,num_decoys=1`) and each family, group rollouts of training variations are played by
 
 - `random`: a uniformly random valid action at every step (no model), and
-- `policy`: the configured LLM through the real collector (memory off, training temperature).
+- `policy`: the configured LLM through the real rollout worker (memory off, training temperature).
 
 Per (setting, family, player) the table gives the mean score (0-100), the success rate, the share of
 episodes that end on a wrong `focus on`, and, the number that decides whether group-relative RL
@@ -63,7 +63,8 @@ from empo2.envs.minisci.layout import Difficulty
 from empo2.memory import TipMemory
 from empo2.models import load_policy
 from empo2.models.io import checkpoint_folder
-from empo2.rollout.build import build_collector, env_kwargs
+from empo2.rollout.build import build_worker, env_kwargs
+from empo2.rollout.spec import collection_spec
 from recipes.minisci_priors.prior_rounds import replay
 from recipes.minisci_priors.prior_tips import SIGNATURE_HEAD, hindsight_tip, play, scripted, tips_signed
 
@@ -106,9 +107,10 @@ def play_random(cfg, tasks, group_size: int, seed: int) -> dict:
 
 
 def play_policy(cfg, model, tok, tasks, group_size: int, seed: int) -> dict:
-    collector = build_collector(cfg, model, tok, len(tasks) * group_size)
+    worker = build_worker(cfg, model, tok, len(tasks) * group_size)
     t0 = time.perf_counter()
-    batch = collector.collect(tasks, group_size, iteration=0, generator=torch.Generator().manual_seed(seed))
+    batch = worker.collect(collection_spec(cfg), tasks, group_size, iteration=0,
+                           generator=torch.Generator().manual_seed(seed))
     seconds = time.perf_counter() - t0
     by_group: dict[int, list[float]] = {}
     for tr in batch.trajectories:
@@ -149,7 +151,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
     `signature`: the policy learned tips that open with their task's signature (`prior_tips.tips_signed`), so
     the tip its episode supports and the scripted tips do too."""
 
-    collector = build_collector(cfg, model, tok, len(tasks))
+    worker, spec = build_worker(cfg, model, tok, len(tasks)), collection_spec(cfg)
     scores, success, wrong_focus, truths, exact, t0 = [], [], [], [], [], time.perf_counter()
     house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
     difficulty = Difficulty(**house)
@@ -161,7 +163,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
         signed.append(f"{SIGNATURE_HEAD}{task.signature}.")
     signed_right = []
     for r in range(rounds):
-        batch = collector.collect(tasks, 1, iteration=r, generator=torch.Generator().manual_seed(seed + r))
+        batch = worker.collect(spec, tasks, 1, iteration=r, generator=torch.Generator().manual_seed(seed + r))
         trs = batch.trajectories
         if r == 0:
             tip_free_first = first_moves(trs, tok)["first_focus"]
@@ -177,7 +179,7 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
             actions = [tok.decode(s.response_ids, skip_special_tokens=True).strip() for s in tr.samples]
             print(f"  round {r} {spec.task}/{spec.variation}: score {tr.score:.0f}, actions {actions}, tip {tr.tip!r}")
     # irrelevant tips only: each instance's namespace gets the tips written for the next instance
-    own = collector.memory
+    own = worker.memory
     foreign = TipMemory(own.dim, **{k: v for k, v in own.config().items() if k != "dim"})
     # whether any of them opens with this instance's own signature, as written (the writer's slip, when the
     # donor's signature differs) or rightly (two instances whose tasks share a signature): no reader can tell
@@ -191,9 +193,10 @@ def play_memory(cfg, model, tok, tasks, rounds: int, seed: int, show: int = 0, s
             texts, vectors, metas = own.export(ids)
             foreign.add(texts, vectors, [dict(m, task=spec.task, variation=spec.variation) for m in metas])
         claims_own.append(signature and any(t.startswith(signed[i]) for t in texts))
-    collector.memory, collector.settings.write_tips = foreign, False
-    batch = collector.collect(tasks, 1, iteration=rounds, generator=torch.Generator().manual_seed(seed))
-    scripted = scripted_tip_scores(collector, tasks, replay_env, house, seed, own, tok, signature)
+    reading = collection_spec(cfg, write_tips=False)
+    batch = worker.using(memory=foreign).collect(reading, tasks, 1, iteration=rounds,
+                                                 generator=torch.Generator().manual_seed(seed))
+    scripted = scripted_tip_scores(worker, reading, tasks, replay_env, house, seed, own, tok, signature)
     return {**scripted, "episodes": len(tasks) * rounds, "tip_free_first_focus": tip_free_first,
             "score_by_round": [statistics.fmean(r) for r in scores],
             "scores": scores, "irrelevant_scores": [tr.score for tr in batch.trajectories],
@@ -224,20 +227,23 @@ def tip_donors(tasks, seed: int) -> dict:
             if other else None}
 
 
-def scripted_episode_tip(collector, env, spec, house: dict, name: str, seed: int, signature: bool = False):
-    """(hindsight tip, key text as the collector keys its own, score) of one scripted episode of `spec` in
-    `house`: the gold path's, or with `name` "trapped" the prior-driven agent's (`prior_tips.scripted`)."""
+def scripted_episode_tip(worker, collection, env, spec, house: dict, name: str, seed: int,
+                         signature: bool = False):
+    """(hindsight tip, key text as the rollout worker keys its own under `collection`, score) of one scripted
+    episode of `spec` in `house`: the gold path's, or with `name` "trapped" the prior-driven agent's
+    (`prior_tips.scripted`)."""
     env.reset(task=spec.task, variation=spec.variation)
     actions = env.gold_actions() if name != "trapped" else scripted(random.Random(seed), trap=True)
-    ep = play(env, spec.task, spec.variation, house, actions, collector.settings.max_episode_steps)
-    return hindsight_tip(ep, signature), collector._key_text(env, ep.turns, ep.final_obs), ep.score
+    ep = play(env, spec.task, spec.variation, house, actions, worker.max_episode_steps)
+    return hindsight_tip(ep, signature), worker.retrieval_key(collection, env, ep.turns, ep.final_obs), ep.score
 
 
-def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok, signature: bool = False) -> dict:
+def scripted_tip_scores(worker, collection, tasks, env, house: dict, seed: int, like, tok,
+                        signature: bool = False) -> dict:
     """Whether it acts well on tips it did not write: the score with one scripted episode's hindsight tip per
     instance in memory. `gold`: the gold path's (true, locating everything the task needs); `trapped`: a
-    prior-driven trapped episode's (what it saw on the way, which look-alike failed); each keyed as the collector
-    keys its own (the episode's final state). Separates reading tips from writing them. And two tips that are not
+    prior-driven trapped episode's (what it saw on the way, which look-alike failed); each keyed as the rollout
+    worker keys its own (the episode's final state). Separates reading tips from writing them. And two tips that are not
     about this instance, keyed as its own gold path's tip (so retrieval finds them as it would its own):
     `other_house`, the gold path's tip of the next instance of the family (another house: a tip that reads like a
     true one and is wrong here), and `other_task`, the gold path's tip of an instance of another family (about
@@ -251,15 +257,15 @@ def scripted_tip_scores(collector, tasks, env, house: dict, seed: int, like, tok
         memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
         texts, keys, metas = [], [], []
         for spec, donor in zip(tasks, donor_specs):
-            text, key, score = scripted_episode_tip(collector, env, donor, house, name, seed, signature)
+            text, key, score = scripted_episode_tip(worker, collection, env, donor, house, name, seed, signature)
             if name not in ("gold", "trapped"):
-                key = scripted_episode_tip(collector, env, spec, house, "gold", seed, signature)[1]
+                key = scripted_episode_tip(worker, collection, env, spec, house, "gold", seed, signature)[1]
             texts.append(text)
             keys.append(key)
             metas.append({"task": spec.task, "variation": spec.variation, "episode_return": score / 100})
-        memory.add(texts, collector.embedder.encode(keys), metas)
-        collector.memory = memory
-        batch = collector.collect(tasks, 1, iteration=0, generator=torch.Generator().manual_seed(seed))
+        memory.add(texts, worker.embedder.encode(keys), metas)
+        batch = worker.using(memory=memory).collect(collection, tasks, 1, iteration=0,
+                                                    generator=torch.Generator().manual_seed(seed))
         out[f"{name}_tip_scores"] = [tr.score for tr in batch.trajectories]
         out[f"{name}_tip_score"] = batch.stats["rollout/score"]
         out[f"{name}_tip_memory_frac"] = batch.stats["rollout/memory_frac"]

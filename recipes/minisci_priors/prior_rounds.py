@@ -7,7 +7,7 @@ whichever look-alike it samples. `self_play_examples` gives tip-writing examples
 labelled with what those episodes showed (DAgger for the tip writer); reports/minisci_priors reports what each
 kind of round changed.
 
-Each round (`run_round`) plays the model through the real collector, labels what its own episodes reached
+Each round (`run_round`) plays the model through the real rollout worker, labels what its own episodes reached
 (DAgger for the tip writer: `self_play_examples`; for the reader: `reader_examples`; at the decision states where
 the gold path and the trapped one part: `decision_examples`, optionally with a signature-match head), and
 fine-tunes on those examples mixed with its stage-1 sequences. `SHIPPED` holds, for each shipped prior made this
@@ -39,8 +39,10 @@ from empo2.envs.minisci.env import build
 from empo2.envs.minisci.layout import Difficulty
 from empo2.memory import TipMemory
 from empo2.models.io import RECIPE_BUILD, save_cached_checkpoint, shipped_prior
-from empo2.rollout.build import build_collector, env_kwargs
+from empo2.rollout.build import build_worker, env_kwargs
 from empo2.rollout.engines.base import SamplingParams
+from empo2.rollout.spec import collection_spec
+from empo2.rollout.worker import draw_seed
 from empo2.utils import quiet_libraries
 from recipes.minisci_priors.prior import (
     CONTEXT,
@@ -70,8 +72,8 @@ SELF_PLAY_CHUNK = 64  # instances played side by side (one generate call per ste
 
 
 class _TipRequests:
-    """The collector's engine, keeping the last batch of tip requests it was asked to complete: exactly the
-    prompts the collector built from its own episode chats (tip requests are its only calls that do not stop at
+    """The rollout worker's engine, keeping the last batch of tip requests it was asked to complete: exactly the
+    prompts the worker built from its own episode chats (tip requests are its only calls that do not stop at
     a newline)."""
 
     def __init__(self, engine) -> None:
@@ -87,11 +89,12 @@ class _TipRequests:
 
 
 def _own_play(model, tok, max_turns: int, variations_per_family: int | None, seed: int, shuffle: bool = False):
-    """The collector as calibration and RL run it (memory on, p = 1) and the dev instances it plays, one house draw
-    each (one tip namespace per instance): the first `variations_per_family` of each family, or all; family by
-    family, or with `shuffle` in an order drawn from `seed` (so that a chunk holds every family). Yields, per
-    chunk of instances played side by side, (instances done, chunk, collector with the chunk's envs, replay envs
-    of the same houses, task specs)."""
+    """The rollout worker and collection as calibration and RL run them (memory on, p = 1) and the dev instances it
+    plays, one house draw each (one tip namespace per instance): the first `variations_per_family` of each family,
+    or all; family by family, or with `shuffle` in an order drawn from `seed` (so that a chunk holds every family).
+    Yields, per chunk of instances played side by side, (instances done, chunk, worker with the chunk's envs (its
+    memory and novelty counter shared by every chunk), collection spec, replay envs of the same houses, task
+    specs)."""
 
     cfg = load_config(["env=minisci", "model=minisci_tips", "algo.p=1", "algo.q=0", f"env.max_steps={max_turns}",
                        "rollout.max_new_tokens=16", "rollout.tip_max_new_tokens=64", f"seed={seed}"])
@@ -103,21 +106,22 @@ def _own_play(model, tok, max_turns: int, variations_per_family: int | None, see
         instances = [i for i in instances if i[1] in first[i[0]][:variations_per_family]]
     if shuffle:
         random.Random(seed).shuffle(instances)
-    collector = build_collector(cfg, model, tok, 1)
+    worker, spec = build_worker(cfg, model, tok, 1), collection_spec(cfg)
     for start in range(0, len(instances), SELF_PLAY_CHUNK):
         chunk = instances[start:start + SELF_PLAY_CHUNK]
-        collector.envs = [make_env("minisci", **{**env_kwargs(cfg), **house}) for _, _, house in chunk]
+        envs = [make_env("minisci", **{**env_kwargs(cfg), **house}) for _, _, house in chunk]
         replay_envs = [make_env("minisci", **{**env_kwargs(cfg), **house, "max_steps": 100}) for _, _, house in chunk]
-        yield (start + len(chunk), len(instances)), chunk, collector, replay_envs, [TaskSpec(f, v) for f, v, _ in chunk]
+        yield ((start + len(chunk), len(instances)), chunk, worker.using(envs=envs), spec, replay_envs,
+               [TaskSpec(f, v) for f, v, _ in chunk])
 
 
 def _actions(traj, tok) -> list[str]:
-    """The texts a collector trajectory gave the env (Generation.text: the response up to its first newline)."""
+    """The texts a worker's trajectory gave the env (Generation.text: the response up to its first newline)."""
     return [tok.decode(s.response_ids, skip_special_tokens=True).split("\n", 1)[0].strip() for s in traj.samples]
 
 
 def replay(env, family: str, variation: int, house: dict, traj, tok, max_turns: int) -> Episode | None:
-    """The episode a collector trajectory played, replayed in `env` (the same house) from the texts the policy
+    """The episode a worker's trajectory played, replayed in `env` (the same house) from the texts the policy
     generated, with what a hindsight tip may say about it; None if the replay does not end where the trajectory
     did (then a label would describe another episode)."""
     actions = _actions(traj, tok)
@@ -137,11 +141,12 @@ def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: in
     generator = torch.Generator().manual_seed(seed)
     examples, stats = [], {"episodes": 0, "score": 0.0, "tips_exact": 0, "unreplayable": 0}
     eos = tok.eos_token_id
-    for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns,
-                                                                         variations_per_family, seed):
-        collector.engine = requests = _TipRequests(collector.engine)
+    for (done, total), chunk, worker, spec, replay_envs, tasks in _own_play(model, tok, max_turns,
+                                                                            variations_per_family, seed):
+        requests = _TipRequests(worker.engine)
+        worker = worker.using(engine=requests)
         for r in range(episodes_per_instance):
-            batch = collector.collect(specs, 1, iteration=r, generator=generator)
+            batch = worker.collect(spec, tasks, 1, iteration=r, generator=generator)
             for (family, variation, house), env, traj, request in zip(chunk, replay_envs, batch.trajectories,
                                                                        requests.prompts):
                 ep = replay(env, family, variation, house, traj, tok, max_turns)
@@ -154,7 +159,6 @@ def self_play_examples(model, tok, episodes_per_instance: int = 3, max_turns: in
                 stats["tips_exact"] += traj.tip == tip
                 target = tok.encode(tip, add_special_tokens=False) + [eos]
                 examples.append((request + target, [IGNORED] * len(request) + [TARGET] * len(target)))
-        collector.engine = requests.engine
         log(f"self-play: {done}/{total} instances x {episodes_per_instance} episodes, "
             f"tips exact {stats['tips_exact']}/{stats['episodes']}")
     stats["score"] /= max(stats["episodes"], 1)
@@ -237,16 +241,17 @@ def action_log_probs(model, tok, prompt: list[int], actions: list[str]) -> torch
     return torch.stack([d[torch.arange(len(t)), torch.tensor(t)].double().log().sum() for d, t in zip(dists, targets)])
 
 
-def contrast_twins(collector, env, family: str, variation: int, actions: list[str], tips: list[str]) -> list:
+def contrast_twins(worker, spec, env, family: str, variation: int, actions: list[str], tips: list[str]) -> list:
     """For `reader_examples(contrast=True)`: at each state the first len(actions) steps of an episode reach, the
-    prompt the collector would build there with `tips` in every tip block (the same history, recorded as the
-    collector records it: each action as the env parsed it), and its tip-free prompt: (prompt, None, tip-free)."""
+    prompt the rollout worker would build there under `spec` with `tips` in every tip block (the same history,
+    recorded as the worker records it: each action as the env parsed it), and its tip-free prompt: (prompt, None,
+    tip-free)."""
     obs, info = env.reset(task=family, variation=variation)
     history: list[tuple[str, str]] = []
-    in_history = collector.settings.tips_in_history
+    in_history = spec.tips_in_history
     twins = []
     for t, action in enumerate(actions):
-        prompt = collector.builder.build(info["task_description"], history, obs, tips, [tips] * t if in_history
+        prompt = worker.builder.build(info["task_description"], history, obs, tips, [tips] * t if in_history
                                          else None)
         twins.append((prompt.ids, None, prompt.without_tips()))
         result = env.step(action)
@@ -259,9 +264,9 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
                     foreign: str | None = None, signature: bool = False, distill: bool = False,
                     contrast: bool = False, log=print) -> tuple[list[tuple], dict]:
     """(ids, kinds) per state the model reaches acting on tips (DAgger for the reader; with `distill`, (ids, kinds,
-    probs) under tips that do not apply): each dev instance (`_own_play`) is played once through the collector
-    with a memory holding scripted episodes' hindsight tips, keyed as the collector keys its own; every example is
-    the collector's own prompt at a state its episode reached (IGNORED), then a label and end of turn (TARGET).
+    probs) under tips that do not apply): each dev instance (`_own_play`) is played once through the rollout worker
+    with a memory holding scripted episodes' hindsight tips, keyed as the rollout worker keys its own; every example is
+    the rollout worker's own prompt at a state its episode reached (IGNORED), then a label and end of turn (TARGET).
     Returns the examples and play statistics (`agreed`: states where its action was the label).
 
     - no `foreign`: the tips are the gold path's, with 0-2 of other scripted episodes of the same instance
@@ -297,15 +302,16 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
     if contrast and (foreign or not signature):
         raise ValueError("contrast pairs states under the instance's own tips (no foreign) with their twins under "
                          "another house's, which only signed tips (signature) tell apart")
-    for (done, total), chunk, collector, replay_envs, specs in _own_play(model, tok, max_turns, variations_per_family,
-                                                                         seed, shuffle=foreign == "task"):
+    for (done, total), chunk, worker, spec, replay_envs, tasks in _own_play(model, tok, max_turns,
+                                                                            variations_per_family, seed,
+                                                                            shuffle=foreign == "task"):
         played, own_tips = [], []  # per instance: (tip, key text, score) of its scripted episodes; the gold set
         for (family, variation, house), env in zip(chunk, replay_envs):
             env.reset(task=family, variation=variation)
             gold = play(env, family, variation, house, env.gold_actions(), max_turns)
             others = [play(env, family, variation, house, scripted(rng, trap=trap), max_turns)
                       for trap in (True, False)]
-            tips = [(hindsight_tip(ep, signature), collector._key_text(env, ep.turns, ep.final_obs), ep.score)
+            tips = [(hindsight_tip(ep, signature), worker.retrieval_key(spec, env, ep.turns, ep.final_obs), ep.score)
                     for ep in (gold, *others)]
             played.append(tips)
             own_tips.append([tips[0], *rng.sample(tips[1:], rng.randint(0, 2))])
@@ -318,12 +324,12 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
                 texts.append(text)
                 keys.append(key)
                 metas.append({"task": family, "variation": variation, "episode_return": score / 100})
-        like = collector.memory
-        collector.memory = TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"})
-        collector.memory.add(texts, collector.embedder.encode(keys), metas)
-        collector.settings.write_tips = False
-        collector.settings.q = 1.0  # every step with tips also records its tip-free prompt (`train_ids`)
-        batch = collector.collect(specs, 1, iteration=0, generator=generator)
+        like = worker.memory
+        worker = worker.using(memory=TipMemory(like.dim, **{k: v for k, v in like.config().items() if k != "dim"}))
+        worker.memory.add(texts, worker.embedder.encode(keys), metas)
+        # every step with tips also records its tip-free prompt (`train_ids`)
+        reading = dataclasses.replace(spec, write_tips=False, q=1.0)
+        batch = worker.collect(reading, tasks, 1, iteration=0, generator=generator)
         borrowed = foreign_tips(chunk, played, donor_rng) if contrast else [[]] * len(chunk)
         # (prompt with tips, action taken there, label, its distribution or None); pending: the tip-free prompt to
         # label from in place of the label
@@ -337,16 +343,15 @@ def reader_examples(model, tok, max_turns: int = 10, variations_per_family: int 
                 labelled += [(smp.behaviour_ids, a, label, None) for smp, a, label in
                              zip(traj.samples, actions, labels)]
                 if twin_tips:
-                    pending += contrast_twins(collector, env, family, variation, actions[:len(labels)],
+                    pending += contrast_twins(worker, spec, env, family, variation, actions[:len(labels)],
                                               [text for text, _, _ in twin_tips])
             else:
                 pending += [(smp.behaviour_ids, a, smp.train_ids) for smp, a in zip(traj.samples, actions)
                             if smp.memory]
         if pending:  # the labels: one sample each from the tip-free prompts
-            s = collector.settings
-            params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+            params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=spec.max_new_tokens)
             tip_free = [tip_free for _, _, tip_free in pending]
-            gens = collector.engine.generate(tip_free, params, seed=collector._seed(generator))
+            gens = worker.engine.generate(tip_free, params, seed=draw_seed(generator))
             labels = [gen.text.strip() for gen in gens]
             targets = [tok.encode(label, add_special_tokens=False) + [eos] for label in labels]
             soft = next_token_distributions(model, tip_free, targets) if distill else [None] * len(pending)
@@ -437,7 +442,7 @@ def decision_states(instances, max_turns: int = 10, seed: int = 0) -> list[Decis
 
 
 def decision_prompt(builder, state: DecisionState, tips: list[str] | None) -> list[int]:
-    """The collector's prompt at the state with `tips` in every turn's tip block (the whole-chat layout)."""
+    """The rollout worker's prompt at the state with `tips` in every turn's tip block (the whole-chat layout)."""
     return builder.build(state.task, state.turns, state.obs, tips, [tips] * len(state.turns) if tips else None).ids
 
 
@@ -451,7 +456,7 @@ def another_house(states: list[DecisionState], i: int, rng: random.Random) -> De
 
 def decision_examples(model, tok, states: list[DecisionState], foreign_per_state: int = 2,
                       seed: int = 0, resigned: bool = False) -> list[tuple]:
-    """Per decision state, examples whose prompts differ only in their tips, each the collector's prompt (CONTEXT,
+    """Per decision state, examples whose prompts differ only in their tips, each the rollout worker's prompt (CONTEXT,
     so the build's next-token loss keeps the language) then a label and end of turn:
 
     - under the instance's own signed tips (`DecisionState.own_tips`): the gold path's action (TARGET);
@@ -526,7 +531,7 @@ def decision_shift(model, tok, states: list[DecisionState], seed: int = 0, signa
 
 def signature_match_examples(tok, states: list[DecisionState], seed: int = 0) -> list[tuple]:
     """What reading the signature computes, as a target of its own (benchmarks/minisci_signature_probe.py). Per
-    decision state, the collector's prompt under the gold path's signed tip and under the same tip re-signed with
+    decision state, the rollout worker's prompt under the gold path's signed tip and under the same tip re-signed with
     another house's signature (`resign`), as (ids, positions, labels): at the last token of each field of the
     signature (the words between its commas: box and room, the component) in every tip block, 1.0 where that
     field is the instance's own; at the prompt's last token, where the reader answers, 1.0 where the whole

@@ -90,6 +90,17 @@ class StepRecorder(L.Callback):
             self.indices = []
 
 
+class FixedRollouts(L.Callback):
+    """The rollout callback's path with fixed samples: each rank's own samples in, the step counts and normalisers
+    agreed."""
+
+    def __init__(self, datamodule: RolloutDataModule, samples: list, old: list[torch.Tensor], rank: int) -> None:
+        self.datamodule, self.samples, self.old, self.rank = datamodule, samples, old, rank
+
+    def produce_iteration(self, trainer: L.Trainer) -> None:
+        self.datamodule.set_rollouts(self.samples, self.old, 0, self.rank, 2)
+
+
 def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor], delta: float, out_dir: Path) -> None:
     """One of two ranks: a one-iteration fit per loss aggregation on this rank's share of the samples."""
     # as torchrun starts a process: Lightning joins the two processes instead of launching its own
@@ -105,9 +116,7 @@ def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor],
         samples = _samples(policy.config.vocab_size)
         t = cfg.trainer
         datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, seed=0)
-        # the rollout callback's path: each rank's own samples in, the step counts and normalisers agreed
-        datamodule.producer = partial(datamodule.set_rollouts, [samples[i] for i in mine], [old[i] for i in mine], 0,
-                                      rank, 2)
+        source = FixedRollouts(datamodule, [samples[i] for i in mine], [old[i] for i in mine], rank)
         module = EMPO2Module(policy.train(), tok, cfg.algo, cfg.trainer, datamodule.buffer,
                              ref_policy=copy.deepcopy(policy).eval().requires_grad_(False))
         recorder = StepRecorder(first)
@@ -117,9 +126,9 @@ def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor],
         else:
             strategy_._timeout = timedelta(seconds=90)
         trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy=strategy_,
-                            precision=t.precision, logger=False, callbacks=[recorder], enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0, use_distributed_sampler=False)
+                            precision=t.precision, logger=False, callbacks=[source, recorder],
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
         trainer.fit(module, datamodule=datamodule)
         # both ranks hold the same weights and gradients: rank 0 sends them
         out[agg] = [s if rank == 0 else {"indices": s["indices"], "metrics": s["metrics"]} for s in recorder.steps]

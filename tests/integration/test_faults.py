@@ -49,7 +49,7 @@ def _final_state(run: Path) -> dict:
     rollout_state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("RolloutCallback"))
     records = json.loads((run / "memory" / "records.json").read_text())
     return {"weights": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"][0]["state"],
-            "global_step": ckpt["global_step"], "novelty": rollout_state["novelty"],
+            "global_step": ckpt["global_step"], "novelty": rollout_state["worker"]["novelty"],
             "history": _untimed(json.loads((run / "summary.json").read_text())["history"]),
             "records": records["records"], "next_id": records["next_id"],
             "embeddings": np.load(run / "memory" / "embeddings.npy", allow_pickle=False)}
@@ -213,7 +213,7 @@ class KillJvmMidEpisode(L.Callback):
 
     def setup(self, trainer, pl_module, stage):
         rollout = next(cb for cb in trainer.callbacks if isinstance(cb, RolloutCallback))
-        for env in rollout.collector.envs:
+        for env in rollout.worker.envs:
             self._watch(env, rollout)
 
     def _watch(self, env, rollout):

@@ -164,14 +164,14 @@ def eval_policy(ckpt: Path, out: Path, monkeypatch) -> tuple[list[str], bool]:
     from empo2.workflows.evaluate import evaluate, run_config
 
     seen = {}
-    real = build.build_collector
+    real = build.build_worker
 
     def spy(cfg, model, *args, **kwargs):
         seen["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         seen["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
         return real(cfg, model, *args, **kwargs)
 
-    monkeypatch.setattr(build, "build_collector", spy)
+    monkeypatch.setattr(build, "build_worker", spy)
     evaluate(run_config(ckpt, []), ckpt, memory="off", variations=1, out=out)
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     return seen["dtypes"], all(torch.equal(v, saved[f"policy.{k}"].bfloat16()) for k, v in seen["weights"].items())

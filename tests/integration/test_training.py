@@ -73,8 +73,8 @@ def test_resume_is_exact(tmp_path):
     ma = torch.load(straight["checkpoint"], map_location="cpu", weights_only=True)["callbacks"]
     mb = torch.load(resumed["checkpoint"], map_location="cpu", weights_only=True)["callbacks"]
     ka, kb = next(k for k in ma if "Rollout" in k), next(k for k in mb if "Rollout" in k)
-    assert ma[ka]["memory"]["records"] == mb[kb]["memory"]["records"]
-    assert ma[ka]["novelty"] == mb[kb]["novelty"]
+    assert ma[ka]["worker"]["memory"]["records"] == mb[kb]["worker"]["memory"]["records"]
+    assert ma[ka]["worker"]["novelty"] == mb[kb]["worker"]["novelty"]
     # resuming a run that has finished collects nothing more: no rollout, no step, the same end state
     again = train(load_config(four + ["run_name=b", "resume=auto"]))
     assert untimed(again["history"]) == untimed(resumed["history"])

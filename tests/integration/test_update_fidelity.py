@@ -416,13 +416,13 @@ def test_generation_logprobs_are_the_scoring_pass_to_float_rounding(policy):
     prompt (tips included) over the whole vocabulary, to float32 rounding, and they are what the update uses."""
     from empo2.memory import Embedder
 
-    from .test_collector import collect, fill_memory, make_collector
+    from .test_collector import collect, fill_memory, make_collection
 
     model, tok = policy
-    collector = make_collector(policy, Embedder(), p=0.5, q=1.0, min_sim=-1.0, temperature=0.7, top_p=0.8,
-                               record_logprobs=True, exact_logprobs=True)
-    fill_memory(collector)
-    samples = collect(collector).samples
+    worker, spec = make_collection(policy, Embedder(), p=0.5, q=1.0, min_sim=-1.0, temperature=0.7, top_p=0.8,
+                                   record_logprobs=True, exact_logprobs=True)
+    fill_memory(worker)
+    samples = collect(worker, spec).samples
     assert any(s.offpolicy for s in samples) and not all(s.offpolicy for s in samples)
     cfg = load_config(["model=tiny"])
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples), temperature=0.7)

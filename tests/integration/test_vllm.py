@@ -202,9 +202,9 @@ class EngineProbe(L.Callback):
 
     def _measure(self, trainer, pl_module):
         self.now.load_state_dict(dict(full_named_tensors(pl_module.policy)))
-        collector = next(cb for cb in trainer.callbacks if type(cb).__name__ == "RolloutCallback").collector
-        gens = sample(collector.engine, self.prompts)
-        tok = collector.builder.tokenizer
+        worker = next(cb for cb in trainer.callbacks if type(cb).__name__ == "RolloutCallback").worker
+        gens = sample(worker.engine, self.prompts)
+        tok = worker.builder.tokenizer
         return {"now": gap(gens, trainer_logprobs(self.now, tok, self.prompts, gens, TEMPERATURE)),
                 "before": gap(gens, trainer_logprobs(self.before, tok, self.prompts, gens, TEMPERATURE))}
 

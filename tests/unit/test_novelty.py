@@ -1,6 +1,6 @@
 """The novelty counter behind r_int(s) = 1/n(s): counts must be a function of the batch, not of its order."""
 
-from empo2.rollout.collector import NoveltyCounter
+from empo2.rollout.novelty import NoveltyCounter
 
 
 def test_novelty_counts_of_one_step_do_not_depend_on_rollout_order():

@@ -318,7 +318,7 @@ def test_released_template_first_step_and_truncation_keep_the_instruction_turn(t
 
 
 def test_released_memory_key_text_is_gather_chats_of_the_tip_free_chat():
-    from empo2.rollout.collector import released_chat_text
+    from empo2.rollout.worker import released_chat_text
 
     # gather_chats(prompt) for R_TURNS (empo2_agent.py:46-59 at 0b40cb72): "role: content" joined by spaces
     assert released_chat_text(R_TASK, R_TURNS, R_OBS) == (

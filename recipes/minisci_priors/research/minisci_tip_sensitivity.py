@@ -3,7 +3,7 @@
 The one-tip calibration (`minisci_calibration.py --memory`) scores sampled episodes, so over 72 instances a
 change of a few points is within its noise. This measures the policy's distribution instead. For each
 find-living-thing training instance of that calibration (same seed, same house), the first prompt is built by
-the collector's own prompt builder tip-free and with one scripted tip, the calibration's kinds: the gold path's
+the rollout worker's own prompt builder tip-free and with one scripted tip, the calibration's kinds: the gold path's
 (its own house: where the living thing is), a trapped prior-driven episode's, the gold path's of the next
 instance of the family (another house) and of a power-component instance (another task). Over the valid first
 actions, the policy's probabilities by teacher forcing, normalised over them (`prior_tips.action_log_probs`).
@@ -36,7 +36,8 @@ import torch
 from empo2.config import MINISCI_HOUSE_FIELDS, ConfigError, load_config
 from empo2.envs import get_catalogue, make_env
 from empo2.models import load_policy
-from empo2.rollout.build import build_collector, env_kwargs
+from empo2.rollout.build import build_worker, env_kwargs
+from empo2.rollout.spec import collection_spec
 from recipes.minisci_priors.minisci_calibration import parse_setting, scripted_episode_tip, tip_donors
 from recipes.minisci_priors.prior_rounds import action_log_probs, decision_shift, decision_states
 from recipes.minisci_priors.prior_tips import tips_signed
@@ -47,13 +48,13 @@ KINDS = ("gold", "trapped", "other_house", "other_task")
 def first_action_shift(cfg, model, tok, tasks, seed: int, signature: bool) -> dict:
     """Per kind of tip: mean P(first action is a focus), mean P(it is the gold path's first), mean KL from the
     tip-free first-action distribution; the same two probabilities tip-free; per-instance values too."""
-    collector = build_collector(cfg, model, tok, 1)
+    worker, collection = build_worker(cfg, model, tok, 1), collection_spec(cfg)
     house = {f: getattr(cfg.env, f) for f in MINISCI_HOUSE_FIELDS}
     env = make_env("minisci", **{**env_kwargs(cfg), "max_steps": 100})
     donors = tip_donors(tasks, seed)
     rows = []
     for i, spec in enumerate(tasks):
-        tips = {name: scripted_episode_tip(collector, env, donors[name][i], house, name, seed, signature)[0]
+        tips = {name: scripted_episode_tip(worker, collection, env, donors[name][i], house, name, seed, signature)[0]
                 for name in KINDS}
         obs, _ = env.reset(task=spec.task, variation=spec.variation)
         actions = env.valid_actions()
@@ -62,7 +63,7 @@ def first_action_shift(cfg, model, tok, tasks, seed: int, signature: bool) -> di
         gold = torch.tensor([a == first_gold for a in actions])
         row = {}
         for name in ("tip_free", *KINDS):
-            prompt = collector.builder.build(env.task_description, [], obs, None if name == "tip_free"
+            prompt = worker.builder.build(env.task_description, [], obs, None if name == "tip_free"
                                              else [tips[name]]).ids
             log_p = action_log_probs(model, tok, prompt, actions)  # (len(actions),)
             row[name] = {"mass": log_p.logsumexp(0).exp().item(), "log_p": log_p - log_p.logsumexp(0)}

@@ -469,7 +469,7 @@ def test_reader_examples_label_the_collectors_own_prompts_under_a_locating_tip(s
     label is the gold path's first action in that instance's house."""
     model, tok = small_policy
     examples, stats = reader_examples(model, tok, variations_per_family=1, log=lambda _: None)
-    _, chunk, _, envs, _ = next(_own_play(model, tok, 10, 1, 0))
+    _, chunk, _, _, envs, _ = next(_own_play(model, tok, 10, 1, 0))
     assert len(examples) == stats["states"] >= stats["episodes"] == len(chunk)
     firsts = []
     for ids, kinds in examples:
@@ -569,9 +569,8 @@ def test_under_foreign_tips_every_state_is_labelled_with_what_it_samples_from_th
     own_play = prior_rounds._own_play
 
     def recorded(*args, **kwargs):
-        for done, chunk, collector, envs, specs in own_play(*args, **kwargs):
-            collector.engine = Recording(collector.engine)
-            yield done, chunk, collector, envs, specs
+        for done, chunk, worker, spec, envs, tasks in own_play(*args, **kwargs):
+            yield done, chunk, worker.using(engine=Recording(worker.engine)), spec, envs, tasks
 
     monkeypatch.setattr(prior_rounds, "_own_play", recorded)
     model, tok = small_policy
