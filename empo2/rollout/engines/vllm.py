@@ -113,14 +113,15 @@ def _unlink_shm() -> None:
             Path("/dev/shm", f"{name}_{group.rank_in_group}").unlink(missing_ok=True)
 
 
-def request_cache_gib(config, max_model_len: int | None, dtype: str) -> float:
-    """The KV cache one request of `max_model_len` tokens (None: the model's longest) holds, with 10% to spare:
-    vLLM will not start with less. Keys and values of every layer's key/value heads, in the engine's dtype."""
+def cpu_kv_cache_gib(config, max_model_len: int | None, dtype: str) -> float:
+    """The default KV cache on a CPU: CPU_KV_CACHE_GIB, or, where more, the cache one request of `max_model_len`
+    tokens (None: the model's longest) holds, with 10% to spare, since vLLM will not start with less: keys and
+    values of every layer's key/value heads, in the engine's dtype."""
     tokens = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
-    return 1.1 * tokens * per_token / GIB
+    return max(CPU_KV_CACHE_GIB, 1.1 * tokens * per_token / GIB)
 
 
 def _base_model(policy):
@@ -134,7 +135,7 @@ class VLLMEngine:
     The policy's weights are loaded at construction (`weights`: the (name, full tensor) pairs to load;
     default `full_named_tensors(policy)`, which under FSDP is a collective every rank must join).
     kv_cache_gib: memory for the KV cache; None: vLLM sizes it from gpu_memory_utilization on a GPU, and on a
-    CPU it is CPU_KV_CACHE_GIB, or one `max_model_len` request's cache where that is more (`request_cache_gib`).
+    CPU `cpu_kv_cache_gib`: CPU_KV_CACHE_GIB, or one `max_model_len` request's cache where that is more.
     dtype: what the engine computes in. max_model_len: the longest request, prompt + response tokens (None: the
     model's max_position_embeddings; never more). llm_kwargs: further `vllm.LLM` arguments.
     """
@@ -172,7 +173,7 @@ class VLLMEngine:
         if current_platform.is_cpu():
             # Eager: compiling the CPU graph costs minutes at start-up and gains little for small policies.
             kwargs.setdefault("enforce_eager", True)
-            kv_cache_gib = kv_cache_gib or max(CPU_KV_CACHE_GIB, request_cache_gib(base.config, max_model_len, dtype))
+            kv_cache_gib = kv_cache_gib or cpu_kv_cache_gib(base.config, max_model_len, dtype)
             if tensor_parallel_size > 1:
                 token = [secrets.token_hex(6)]  # one per engine, the same on every rank
                 dist.broadcast_object_list(token, src=0)
