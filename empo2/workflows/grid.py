@@ -107,6 +107,12 @@ def plan_grid(path: str | Path, seeds: object = None, overrides: list[str] | tup
     return grid_id, runs
 
 
+# Settings that change no result, so a finished run is the grid's whatever it had: the preset's description (runs
+# before it had none), and how the update holds its memory (the laptop defaults: the same math to float32 rounding)
+RESULT_NEUTRAL = ("description", "trainer.gradient_checkpointing", "trainer.micro_batch_tokens",
+                  "trainer.release_memory")
+
+
 def is_finished(run: GridRun) -> bool:
     """A run is finished when its summary.json exists; one written under another config is an error,
     since skipping it would silently mix two settings in one grid."""
@@ -116,7 +122,9 @@ def is_finished(run: GridRun) -> bool:
     saved = migrate_config(json.loads(summary_path.read_text()).get("config", {}))  # saved under older key names
     wanted = json.loads(json.dumps(to_dict(run.cfg), default=str))
     for config in (saved, wanted):
-        config.pop("description", None)  # documents the preset, changes no result (and runs before it had none)
+        for key in RESULT_NEUTRAL:
+            group, _, name = key.rpartition(".")
+            (config.get(group, {}) if group else config).pop(name, None)
     diff = _first_difference(saved, wanted)
     if diff:
         raise ConfigError(f"{run.label}: {run.run_dir} finished with {diff}; give the grid another name or "

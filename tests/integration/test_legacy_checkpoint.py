@@ -22,7 +22,9 @@ LEGACY_RUN = ["model=tiny", "logger=none", "torch_threads=1", "trainer.iteration
               "trainer.micro_batch_size=2", "trainer.lr=1e-3", "trainer.val_every=1", "trainer.ckpt_every=1",
               "rollout.tasks_per_batch=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
               "rollout.tip_max_new_tokens=12", "rollout.max_prompt_tokens=384", "env.max_steps=3",
-              "env.val_variations=1", "algo.p=0.5", "algo.q=0.5", "trainer.val_mem=true", "seed=0"]
+              "env.val_variations=1", "algo.p=0.5", "algo.q=0.5", "trainer.val_mem=true", "seed=0",
+              # the update as it ran then (the laptop-memory defaults came later; they change it by float rounding)
+              "trainer.gradient_checkpointing=false", "trainer.micro_batch_tokens=null", "trainer.release_memory=false"]
 
 
 def _callback_state(path: Path) -> dict:

@@ -19,7 +19,7 @@ from empo2.rollout.engines import HFEngine, SamplingParams
 from empo2.rollout.types import StepSample
 from empo2.workflows.train import state_fingerprint, train
 
-from .test_training import FAST, StopAfter
+from .test_training import FAST, StopAfter, _weights
 
 
 @pytest.fixture(scope="module")
@@ -495,6 +495,68 @@ def test_first_ratio_with_generation_logprobs_is_one_to_float_rounding(tmp_path,
     assert rec.metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert 0.0 <= rec.metrics["actor/approx_kl"] < 1e-10
     assert rec.metrics["actor/clip_frac"] == 0.0
+
+
+# the update's settings before the laptop-memory defaults: whole micro-batches, activations kept, shared prefixes
+# run once
+OLD_UPDATE = ["trainer.gradient_checkpointing=false", "trainer.micro_batch_tokens=null", "trainer.release_memory=false"]
+
+
+class UpdateProbe(L.Callback):
+    """What the update ran: micro-batches, the positions its decoder passes ran, each optimiser step's (clipped)
+    gradient and actor metrics, and whether the policy recomputes its activations."""
+
+    def __init__(self):
+        self.micro_batches, self.positions, self.grads, self.steps, self.checkpointing = 0, 0, [], [], None
+
+    def on_train_start(self, trainer, pl_module):
+        self.checkpointing = pl_module.policy.is_gradient_checkpointing
+
+        def count(_, args, kwargs):
+            self.positions += (kwargs["input_ids"] if "input_ids" in kwargs else args[0]).numel()
+
+        pl_module.policy.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.policy.named_parameters()})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.micro_batches += 1
+        if batch.last:
+            self.steps.append(dict(pl_module.last_step))
+
+
+def test_the_laptop_memory_defaults_update_as_the_old_settings_to_float32_rounding(tmp_path):
+    """Gradient checkpointing, the 1280-token micro-batch cap and the allocator trim, on by default, against the
+    update without them, from the same seed: the same rollouts, and the same gradients, losses and updated weights
+    to float32 rounding, though the update ran other passes (more micro-batches, no shared prefixes, layers run
+    again in the backward)."""
+    runs = {}
+    for name, extra in (("old", OLD_UPDATE), ("default", [])):
+        probe = UpdateProbe()
+        # 4 samples a micro-batch, so the cap (about 4 of these prompts) splits some
+        summary = train(load_config(FAST + ["trainer.iterations=1", "trainer.micro_batch_size=4",
+                                            f"run_root={tmp_path}", f"run_name={name}", *extra]), callbacks=[probe])
+        runs[name] = probe, summary
+    (old, old_summary), (new, new_summary) = runs["old"], runs["default"]
+    assert not old.checkpointing and new.checkpointing
+    assert new.micro_batches > old.micro_batches  # the cap cut mini-batches the count left whole
+    assert old.positions < new.positions  # shared prefixes ran once without checkpointing, per row with it
+
+    def rollouts(summary):
+        return [{k: v for k, v in h.items() if k.startswith("rollout/")} for h in summary["history"]]
+
+    assert rollouts(old_summary) == rollouts(new_summary) and len(old.grads) == len(new.grads) > 1
+    for a, b in zip(old.grads, new.grads):  # float32 sums in another order: 1e-5 of the largest entry
+        scale = max(float(g.abs().max()) for g in a.values())
+        assert max(float((a[n] - b[n]).abs().max()) for n in a) <= 5e-5 * scale
+    for a, b in zip(old.steps, new.steps):  # a mean of terms of order 1 (advantage x ratio) that mostly cancel
+        assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-6)
+    wa, wb = (_weights(s["checkpoint"]) for s in (old_summary, new_summary))
+    # AdamW's first step moves a weight by about lr (1e-3) whatever its gradient's size, so rounding in a
+    # gradient near zero shows here at a few percent of one step, 3e-5 (measured: 6e-6)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 3e-5
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)  # rounding differs: the two updates did run other passes
 
 
 class StepMeans(L.Callback):

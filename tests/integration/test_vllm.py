@@ -24,6 +24,7 @@ from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
 from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
+from empo2.rollout.engines.vllm import CPU_KV_CACHE_GIB, cpu_kv_cache_gib
 from empo2.rollout.prompts import PromptBuilder
 from empo2.rollout.types import StepSample
 from empo2.utils.errors import ConfigError
@@ -171,9 +172,24 @@ def test_weight_sync_loads_new_weights_and_lora_is_merged(prior, engine, prompts
     engine.update_weights(full_named_tensors(model))  # the module's engine back on the prior
 
 
+def test_the_cpu_cache_default_holds_one_request_of_max_model_len():
+    """Qwen2.5-7B's 32,768 positions hold 1.75 GiB of bfloat16 keys and values (28 layers x 4 heads x 128): over
+    the 0.5 GiB default, so the default on a CPU becomes that plus 10%; its 2,096-token requests fit 0.5 GiB."""
+    from types import SimpleNamespace
+
+    qwen7b = SimpleNamespace(max_position_embeddings=32768, hidden_size=3584, num_attention_heads=28,
+                             num_key_value_heads=4, num_hidden_layers=28)
+    assert cpu_kv_cache_gib(qwen7b, None, "bfloat16") == pytest.approx(1.1 * 1.75)
+    assert cpu_kv_cache_gib(qwen7b, 2096, "float32") == CPU_KV_CACHE_GIB == 0.5
+
+
 def test_smollm2_behaviour_logprobs_match_the_trainers(prompts):
+    """With the CPU's default KV cache: 0.5 GiB, which holds one request of SmolLM2's 8,192 positions (0.35 GiB),
+    so the engine starts at the model's full length."""
     model, tok = load_policy(ModelConfig(name="smollm2-135m-instruct"))
-    smol = VLLMEngine(model, tok, kv_cache_gib=0.5)
+    smol = VLLMEngine(model, tok)
+    assert smol.max_model_len == 8192 and cpu_kv_cache_gib(model.config, None, "float32") == CPU_KV_CACHE_GIB
+    assert smol.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == CPU_KV_CACHE_GIB * 2**30
     builder = PromptBuilder(tok)
     texts = [builder.build("Your task is to boil water.", [], "This room is called the kitchen.").ids] * 4
     gens = sample(smol, texts)

@@ -85,9 +85,21 @@ def test_validation_repeats_play_each_held_out_instance_that_many_times():
                                                                                                   on_train=True)
 
 
-def test_micro_batch_token_budget_is_off_by_default_and_takes_a_count():
-    assert load_config([]).trainer.micro_batch_tokens is None
+def test_laptop_memory_defaults_are_on_in_one_cpu_process_and_off_on_gpus_many_processes_and_the_small_priors():
+    """`empo2 train` fits a laptop (gradient checkpointing, a 1280-token micro-batch cap, the allocator trimmed);
+    the GPU and multi-process trainer presets, and the presets of the 0.7M-parameter MiniSci priors (whose
+    recorded runs the demo repeats), keep the faster update."""
+    t = load_config([]).trainer
+    assert (t.gradient_checkpointing, t.micro_batch_tokens, t.release_memory) == (True, 1280, True)
+    for overrides in (["trainer=gpu"], ["trainer=fsdp"], ["trainer=ddp"], ["experiment=empo2_paper_minisci_tips"]):
+        t = load_config(overrides).trainer
+        assert (t.gradient_checkpointing, t.micro_batch_tokens, t.release_memory) == (False, None, False), overrides
+    # the 7B model preset composes after the trainer group: its long histories keep gradient checkpointing on GPUs
+    for overrides in (["experiment=empo2_paper"], ["model=qwen2.5-7b", "trainer=fsdp"]):
+        t = load_config(overrides).trainer
+        assert (t.gradient_checkpointing, t.micro_batch_tokens, t.release_memory) == (True, None, False), overrides
     assert load_config(["trainer.micro_batch_tokens=4096"]).trainer.micro_batch_tokens == 4096
+    assert load_config(["trainer.micro_batch_tokens=null"]).trainer.micro_batch_tokens is None
 
 
 def test_cross_field_rule_micro_batch_fits_mini_batch():

