@@ -73,7 +73,8 @@ def test_the_run_says_where_its_time_went_per_iteration_in_mlflow_and_in_total(r
     assert sum(totals.values()) + phases["other_s"] == pytest.approx(phases["wall_s"])
     assert phases["wall_s"] == pytest.approx(summary["metrics"]["time/total_s"], abs=1.0)
     shares = [float(line.split()[-1].rstrip("%")) for line in phase_table(phases)[2:]]
-    assert len(shares) == len(PHASES) + 1 and sum(shares) == pytest.approx(100.0, abs=0.1)
+    # each share is printed to 0.1%: their sum is 100% within half of that per row
+    assert len(shares) == len(PHASES) + 1 and sum(shares) == pytest.approx(100.0, abs=0.05 * len(shares))
     assert 0.1 < phases["peak_rss_gib"] < 20
 
     client = MlflowClient(summary["mlflow_tracking_uri"])
