@@ -186,11 +186,14 @@ def plot_curves(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
-    """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
+def train(cfg: TrainConfig, callbacks: list | None = None, started: float | None = None) -> dict:
+    """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging). `started`: the
+    `time.perf_counter()` at which the caller began the run (`empo2 train` passes its own start, so the start-up
+    phase and the wall time count its imports and the config's composition), else this call."""
     from empo2.preflight import preflight
 
-    t0, start = time.time(), time.perf_counter()
+    start = time.perf_counter() if started is None else started
+    t0 = time.time() - (time.perf_counter() - start)
     preflight(cfg)  # the machine's side of the config, before the heavy imports and any folder
     run_name = resume_run_name(cfg)
     check_tracking(cfg)
