@@ -22,7 +22,8 @@ tracking into a new run root included): their wall clock is from the command's s
 report being its last output; their phases and shares are those of the closing report (`summary.json`'s `phases`,
 start-up counted from `train()`'s start, "other" the rest of the time inside it); their peak RSS is the command's
 process tree (the ScienceWorld JVMs included), sampled every half second; the load average before and after each
-says what else the machine ran.
+says what else the machine ran, and the command's CPU seconds (its own and its children's) what it would need of a
+machine alone (on 2 cores, at least half of them in wall time).
 
 The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
 and the validation before training are not counted; the periodic validation and the checkpoints are.
@@ -188,10 +189,14 @@ def _command(tree: Path, config: str, scratch: Path) -> dict:
         proc = subprocess.Popen(cmd, cwd=scratch, stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONPATH=str(tree)))
         peak = 0
-        while proc.poll() is None:
+        while True:  # wait4: the command's CPU time, its JVMs and other children it waited for included
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
             peak = max(peak, tree_rss_bytes(proc.pid))
             time.sleep(0.5)
         wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{tree.name} {config} failed:\n{log.read_text()[-3000:]}")
     summary = json.loads((run_root / "run" / "summary.json").read_text())
@@ -201,7 +206,8 @@ def _command(tree: Path, config: str, scratch: Path) -> dict:
             "target_s": TARGET_S[config], "within_target": wall <= TARGET_S[config],
             "train_wall_s": phases["wall_s"], "phases_s": {**phases["phases_s"], "other": phases["other_s"]},
             "shares": {k: v / phases["wall_s"] for k, v in {**phases["phases_s"], "other": phases["other_s"]}.items()},
-            "outside_train_s": wall - phases["wall_s"], "peak_rss_tree_gib": peak / 2**30,
+            "outside_train_s": wall - phases["wall_s"], "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_tree_gib": peak / 2**30,
             "peak_rss_run_gib": phases["peak_rss_gib"],
             "train_env_steps": trained[-1]["train/env_steps"] if trained else None,
             "val_episode_len": summary["metrics"].get("val/episode_len_nomem"),
