@@ -178,6 +178,7 @@ def _command(tree: Path, config: str, scratch: Path) -> dict:
     """`empo2 train <COMMANDS[config]>` with the empo2 package of `tree`, in a process of its own: wall clock from
     its start to its exit, the closing report's phases, the peak RSS of its process tree."""
     sys.path.insert(0, str(REPO))
+    from empo2.lit.progress import PHASES
     from empo2.utils import tree_rss_bytes
 
     run_root = scratch / f"{tree.name}-{config}-{time.time_ns()}"
@@ -201,11 +202,12 @@ def _command(tree: Path, config: str, scratch: Path) -> dict:
         raise RuntimeError(f"{tree.name} {config} failed:\n{log.read_text()[-3000:]}")
     summary = json.loads((run_root / "run" / "summary.json").read_text())
     phases = summary["phases"]
+    seconds = {key: phases["phases_s"][key] for key, _ in PHASES} | {"other": phases["other_s"]}  # the table's order
     trained = [h for h in summary["history"] if h["iteration"] >= 0 and "train/env_steps" in h]
     return {"config": config, "command": "empo2 train " + " ".join(COMMANDS[config]), "wall_s": wall,
             "target_s": TARGET_S[config], "within_target": wall <= TARGET_S[config],
-            "train_wall_s": phases["wall_s"], "phases_s": {**phases["phases_s"], "other": phases["other_s"]},
-            "shares": {k: v / phases["wall_s"] for k, v in {**phases["phases_s"], "other": phases["other_s"]}.items()},
+            "train_wall_s": phases["wall_s"], "phases_s": seconds,
+            "shares": {key: s / phases["wall_s"] for key, s in seconds.items()},
             "outside_train_s": wall - phases["wall_s"], "cpu_s": usage.ru_utime + usage.ru_stime,
             "peak_rss_tree_gib": peak / 2**30,
             "peak_rss_run_gib": phases["peak_rss_gib"],
