@@ -16,6 +16,16 @@ commit runs `--repeats` times (the demo configurations `--demo-repeats` times) a
   and the allocator's free memory returned before each backward (`trainer.release_memory=true`), on the head
   commit only: the demo's smallest peak memory (these three are the defaults since `trainer` has laptop-memory
   defaults, so `demo` and `demo_vllm` of a base before them against a head after measure what they trade).
+- `scienceworld` and `scienceworld_quick` (head commit only): the small ScienceWorld run and the README's quick
+  start (the same on one short task), timed as a user meets them (below).
+
+The ScienceWorld commands run as `empo2 train ...` in a process of their own, the way a user types them (MLflow
+tracking into a new run root included): their wall clock is from the command's start to its exit, the closing
+report being its last output; their phases and shares are those of the closing report (`summary.json`'s `phases`,
+start-up counted from `train()`'s start, "other" the rest of the time inside it); their peak RSS is the command's
+process tree (the ScienceWorld JVMs included), sampled every half second; the load average before and after each
+says what else the machine ran, and the command's CPU seconds (its own and its children's) what it would need of a
+machine alone (on 2 cores, at least half of them in wall time).
 
 The window is from the first iteration's rollout to the end of the fit, so the model load, MLflow set-up
 and the validation before training are not counted; the periodic validation and the checkpoints are.
@@ -29,7 +39,7 @@ resident memory in GiB (`ru_maxrss`, whole process, model load included); peak t
 its descendants (`empo2.utils.PeakMemory`, sampled every 0.2 s from before the model load), the figure a laptop
 has to hold. Each run also records the machine's load average before and after it (other jobs on the cores).
 
-    python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo demo_vllm]
+    python benchmarks/experiment_throughput.py --base 12b0091 --head HEAD [--configs headline demo scienceworld]
         [--iterations 4] [--demo-iterations 1] [--repeats 2] [--demo-repeats 1]
         [--out benchmarks/results/experiment_throughput.json]
 """
@@ -47,12 +57,21 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = ("headline", "demo", "demo_vllm", "demo_gc", "demo_lowmem")
-HEAD_ONLY = ("demo_gc", "demo_lowmem")  # options the base commit may not have
+CONFIGS = ("headline", "demo", "demo_vllm", "demo_gc", "demo_lowmem", "scienceworld", "scienceworld_quick")
+# options the base commit may not have; the ScienceWorld commands measure the head against its targets
+HEAD_ONLY = ("demo_gc", "demo_lowmem", "scienceworld", "scienceworld_quick")
 # Overrides of the demo configurations (the demo itself is `empo2 train` with the defaults).
 DEMO_EXTRA = {"demo": [], "demo_vllm": ["engine=vllm"], "demo_gc": ["trainer.gradient_checkpointing=true"],
               "demo_lowmem": ["trainer.gradient_checkpointing=true", "trainer.micro_batch_tokens=1280",
                               "trainer.release_memory=true"]}
+
+# `empo2 train` overrides of the ScienceWorld commands (docs/performance.md, "ScienceWorld on a laptop"): the small
+# run with a training task drawn from all 26, and the README's quick start on one short task
+SCIENCEWORLD = ["env=scienceworld", "trainer.iterations=1", "rollout.tasks_per_batch=1", "rollout.group_size=2",
+                "env.val_variations=1"]
+COMMANDS = {"scienceworld": SCIENCEWORLD,
+            "scienceworld_quick": ["env=scienceworld", "env.tasks=[find-living-thing]", *SCIENCEWORLD[1:]]}
+TARGET_S = {"scienceworld": 300, "scienceworld_quick": 120}  # closing report within 5 and 2 minutes
 
 
 # ------------------------------------------------------------------------------------ child process
@@ -165,7 +184,51 @@ def _tree(rev: str, into: Path) -> tuple[Path, str]:
     return out, sha
 
 
+def _command(tree: Path, config: str, scratch: Path) -> dict:
+    """`empo2 train <COMMANDS[config]>` with the empo2 package of `tree`, in a process of its own: wall clock from
+    its start to its exit, the closing report's phases, the peak RSS of its process tree."""
+    sys.path.insert(0, str(REPO))
+    from empo2.lit.progress import PHASES
+    from empo2.utils import tree_rss_bytes
+
+    run_root = scratch / f"{tree.name}-{config}-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "empo2.cli", "train", *COMMANDS[config], f"run_root={run_root}", "run_name=run"]
+    log = run_root.with_suffix(".log")
+    load_before = os.getloadavg()
+    with log.open("w") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=scratch, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH=str(tree)))
+        peak = 0
+        while True:  # wait4: the command's CPU time, its JVMs and other children it waited for included
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            peak = max(peak, tree_rss_bytes(proc.pid))
+            time.sleep(0.5)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree.name} {config} failed:\n{log.read_text()[-3000:]}")
+    summary = json.loads((run_root / "run" / "summary.json").read_text())
+    phases = summary["phases"]
+    seconds = {key: phases["phases_s"][key] for key, _ in PHASES} | {"other": phases["other_s"]}  # the table's order
+    trained = [h for h in summary["history"] if h["iteration"] >= 0 and "train/env_steps" in h]
+    return {"config": config, "command": "empo2 train " + " ".join(COMMANDS[config]), "wall_s": wall,
+            "target_s": TARGET_S[config], "within_target": wall <= TARGET_S[config],
+            "train_wall_s": phases["wall_s"], "phases_s": seconds,
+            "shares": {key: s / phases["wall_s"] for key, s in seconds.items()},
+            "outside_train_s": wall - phases["wall_s"], "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_tree_gib": peak / 2**30,
+            "peak_rss_run_gib": phases["peak_rss_gib"],
+            "train_env_steps": trained[-1]["train/env_steps"] if trained else None,
+            "val_episode_len": summary["metrics"].get("val/episode_len_nomem"),
+            "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]]}
+
+
 def _run(tree: Path, config: str, iterations: int, scratch: Path) -> dict:
+    if config in COMMANDS:
+        return _command(tree, config, scratch)
     result = scratch / f"{tree.name}-{config}-{time.time_ns()}.json"
     cmd = [sys.executable, __file__, "--child", str(tree), "--configs", config, "--iterations", str(iterations),
            "--out", str(result)]
@@ -183,6 +246,15 @@ def _row(label: str, r: dict) -> str:
             f"({share['generate']:.0f}%) | {share['old_logprobs']:.0f}% | {share['update']:.0f}% | "
             f"{share['validation']:.0f}% | {share['checkpoint']:.1f}% | {rest:.0f}% | "
             f"{100 * r['positions_vs_tokens']:+.0f}% | {r['peak_rss_gb']:.2f} | {r['peak_tree_gb']:.2f} |")
+
+
+def _command_row(label: str, r: dict) -> str:
+    sh = r["shares"]
+    minutes, seconds = divmod(round(r["wall_s"]), 60)
+    return (f"| {label} | {minutes}:{seconds:02d} (target {r['target_s'] // 60}:00) | "
+            + " | ".join(f"{r['phases_s'][k]:.0f} s {100 * sh[k]:.0f}%" for k in sh)
+            + f" | {r['outside_train_s']:.0f} s | {r['peak_rss_tree_gib']:.2f} | "
+            f"{r['loadavg_1min_before_after'][0]:.1f} / {r['loadavg_1min_before_after'][1]:.1f} |")
 
 
 def main() -> None:
@@ -213,10 +285,12 @@ def main() -> None:
                 for tree, sha in (trees[1:] if config in HEAD_ONLY else trees):
                     r = _run(tree, config, n, scratch)
                     results.setdefault(config, {}).setdefault(sha, []).append(r)
-                    print(f"{config} {sha} run {rep + 1}: {r['s_per_iteration']:.1f} s/iteration", flush=True)
+                    took = f"{r['wall_s']:.0f} s" if config in COMMANDS else f"{r['s_per_iteration']:.1f} s/iteration"
+                    print(f"{config} {sha} run {rep + 1}: {took}", flush=True)
 
     (base_sha, head_sha) = [sha for _, sha in trees]
-    best = {c: {sha: min(runs, key=lambda r: r["window_s"]) for sha, runs in by.items()} for c, by in results.items()}
+    best = {c: {sha: min(runs, key=lambda r: r["wall_s" if c in COMMANDS else "window_s"]) for sha, runs in by.items()}
+            for c, by in results.items()}
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; fastest of {args.repeats} runs "
           f"(demo: {args.demo_repeats})\n")
     print("| config, commit | iterations/h | s/iteration | rollout (generate) | old log-probs | update | validation "
@@ -224,8 +298,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for config, by in best.items():
         for sha in (base_sha, head_sha):
-            if sha in by:
+            if sha in by and config not in COMMANDS:
                 print(_row(f"{config}, {sha}", by[sha]))
+    commands = [c for c in best if c in COMMANDS]
+    if commands:
+        from empo2.lit.progress import PHASES
+
+        print("\n| command, commit | wall to the closing report | "
+              + " | ".join(label for _, label in PHASES) + " | other | outside train() | peak RSS GiB (tree) "
+              "| load before / after |")
+        print("|---" * (len(PHASES) + 6) + "|")
+        for config in commands:
+            print(_command_row(f"{config}, {head_sha}", best[config][head_sha]))
     print()
     for config, by in best.items():
         if base_sha not in by:

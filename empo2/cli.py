@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from empo2.config import ConfigError
 from empo2.utils import quiet_libraries
+
+STARTED = time.perf_counter()  # before torch, Lightning and the config's composition: `empo2 train`'s start-up
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # its database-migration INFO lines are not ours
@@ -48,7 +51,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         print(OmegaConf.to_yaml(to_dict(cfg)), end="")
         return 0
-    summary = _interruptible(lambda: train(cfg), cfg, args.overrides)
+    summary = _interruptible(lambda: train(cfg, started=STARTED), cfg, args.overrides)
     # one upload and one report per run, not per rank: every process of a multi-process run has RANK by now,
     # whatever started it (`export_ranks`)
     if os.environ.get("RANK", "0") != "0":

@@ -5,9 +5,10 @@ priors' self-play all collect with (what each call collects: `empo2.rollout.spec
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from empo2.config import TrainConfig, own_env_fields
-from empo2.envs import TaskSpec, get_catalogue, make_env
+from empo2.envs import TaskSpec, TextEnv, get_catalogue, make_env
 from empo2.memory import Embedder, TipMemory
 from empo2.rollout.engines import build_engine
 from empo2.rollout.prompts import PromptBuilder
@@ -124,16 +125,33 @@ def engine_for(cfg: TrainConfig, model, tokenizer):
                         max_model_len=cfg.engine.max_model_len or max_request_tokens(cfg))
 
 
-def build_worker(cfg: TrainConfig, model, tokenizer, n_envs: int, with_engine: bool = True) -> RolloutWorker:
-    """The rollout worker of a config; `with_engine=False` leaves the engine for the caller to attach (training
-    builds it with `engine_for` once the strategy has opened the process group: `RolloutCallback.setup`)."""
+def start_envs(cfg: TrainConfig, n: int) -> list[TextEnv]:
+    """`n` environments of the config, started side by side: a ScienceWorld environment starts its own JVM, a
+    second or more of a core each, which started one after another add up (and training starts them beside the
+    model's load). Where one fails to start, those that did are closed before the error is raised."""
+    with ThreadPoolExecutor(max_workers=max(n, 1), thread_name_prefix="empo2-env-start") as pool:
+        futures = [pool.submit(make_env, cfg.env.name, **env_kwargs(cfg)) for _ in range(n)]
+    envs = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for env in envs:
+            env.close()
+        raise failed[0]
+    return envs
+
+
+def build_worker(cfg: TrainConfig, model, tokenizer, envs: int | list[TextEnv],
+                 with_engine: bool = True) -> RolloutWorker:
+    """The rollout worker of a config, with `envs` (started environments, or how many to start here);
+    `with_engine=False` leaves the engine for the caller to attach (training builds it with `engine_for` once the
+    strategy has opened the process group: `RolloutCallback.setup`)."""
     engine = engine_for(cfg, model, tokenizer) if with_engine else None
     drop = cfg.rollout.overlong == "drop"  # whole histories; over-long steps leave training in the worker
     builder = PromptBuilder(tokenizer, max_prompt_tokens=sys.maxsize if drop else cfg.rollout.max_prompt_tokens,
                             history_turns=cfg.rollout.history_turns,
                             max_request_tokens=cfg.rollout.max_tip_request_tokens or cfg.rollout.max_prompt_tokens,
                             template=cfg.rollout.prompt_template)
-    envs = [make_env(cfg.env.name, **env_kwargs(cfg)) for _ in range(n_envs)]
+    envs = start_envs(cfg, envs) if isinstance(envs, int) else envs
     memory = embedder = None
     if cfg.memory.enabled:
         embedder = Embedder(cfg.memory.embedder_path)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -185,11 +186,14 @@ def plot_curves(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
-    """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging)."""
+def train(cfg: TrainConfig, callbacks: list | None = None, started: float | None = None) -> dict:
+    """Run one training; `callbacks` are extra Lightning callbacks (early stopping, custom logging). `started`: the
+    `time.perf_counter()` at which the caller began the run (`empo2 train` passes its own start, so the start-up
+    phase and the wall time count its imports and the config's composition), else this call."""
     from empo2.workflows.preflight import preflight
 
-    t0, start = time.time(), time.perf_counter()
+    start = time.perf_counter() if started is None else started
+    t0 = time.time() - (time.perf_counter() - start)
     preflight(cfg)  # the machine's side of the config, before the heavy imports and any folder
     run_name = resume_run_name(cfg)
     check_tracking(cfg)
@@ -201,20 +205,33 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
     from empo2.lit.module import EMPO2Module
     from empo2.lit.progress import IterationProgressBar, PhaseTimes
     from empo2.lit.strategy import build_strategy
-    from empo2.rollout.build import build_worker, generation_logprobs_exact, validation_tasks
+    from empo2.rollout.build import build_worker, generation_logprobs_exact, start_envs, validation_tasks
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
-    model, tok = load_policy(cfg.model)  # before the run folder: a model that cannot load leaves none behind
+    val_tasks = validation_tasks(cfg)
+    train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []
+    t = cfg.trainer
+    # as many environments as one collection plays at once: the training batch, or a validation list (lock step)
+    n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="empo2-envs")
+    starting = starter.submit(start_envs, cfg, n_envs)  # ScienceWorld's JVMs start while the model loads
+    starter.shutdown(wait=False)
+    # both before the run folder: a model that cannot load, or environments that cannot start, leave none behind
+    try:
+        model, tok = load_policy(cfg.model)
+    except BaseException:
+        if starting.exception() is None:  # waits for the start, so that no JVM outlives the failed load
+            for env in starting.result():
+                env.close()
+        raise
+    envs = starting.result()  # raises what kept an environment from starting
     run_dir = make_run_dir(cfg.run_root, run_name)
     # DDP worker processes rerun this and must find the same folder; the caller's value comes back after
     # the fit, so a second train() in the same process does not write into this run's folder
     outer_run_name = os.environ.get("EMPO2_RUN_NAME")
     os.environ["EMPO2_RUN_NAME"] = run_name or run_dir.name
-    val_tasks = validation_tasks(cfg)
-    train_val_tasks = validation_tasks(cfg, on_train=True) if cfg.trainer.val_train else []
-    t = cfg.trainer
     datamodule = RolloutDataModule(t.ppo_epochs, t.mini_batch_size, t.micro_batch_size, cfg.seed,
                                    t.micro_batch_tokens)
     ref_policy = None
@@ -227,8 +244,7 @@ def train(cfg: TrainConfig, callbacks: list | None = None) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module = EMPO2Module(model, tok, cfg.algo, cfg.trainer, datamodule.buffer, ref_policy=ref_policy,
                          temperature=cfg.rollout.temperature)
-    n_envs = max(cfg.rollout.tasks_per_batch * cfg.rollout.group_size, len(val_tasks), len(train_val_tasks))
-    worker = build_worker(cfg, model, tok, n_envs, with_engine=False)
+    worker = build_worker(cfg, model, tok, envs, with_engine=False)
     times = PhaseTimes(start)
     rollout_cb = RolloutCallback(cfg, worker, datamodule, val_tasks, train_val_tasks, times)
     ckpt_dir = run_dir / "checkpoints"

@@ -332,3 +332,35 @@ def test_collections_run_as_long_as_the_longest_budget_of_the_run():
     fixed = load_config(["env=scienceworld", "env.tasks=[boil]", "env.max_steps=7", "model=tiny"])
     assert episode_step_bound(fixed, env) == 7
     env.close()
+
+
+@needs_java
+def test_a_runs_environments_start_side_by_side_and_a_failed_start_leaves_no_jvm_behind(monkeypatch):
+    """`start_envs`: one live JVM per environment; where one environment fails to start, those that started are
+    closed before the error reaches the caller."""
+    import empo2.rollout.build as build
+    from empo2.config import load_config
+
+    cfg = load_config(["env=scienceworld", "model=tiny"])
+    envs = build.start_envs(cfg, 3)
+    try:
+        assert len({e.jvm_pid for e in envs}) == 3 and all(e.alive() for e in envs)
+        envs[2].reset("lifespan-longest-lived", 0)
+        assert not envs[2].step("look around").done
+    finally:
+        for e in envs:
+            e.close()
+
+    started, calls = [], []
+
+    def second_fails(name, **kwargs):
+        calls.append(name)
+        if len(calls) == 2:
+            raise RuntimeError("no JVM for this one")
+        started.append(make_env(name, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(build, "make_env", second_fails)
+    with pytest.raises(RuntimeError, match="no JVM for this one"):
+        build.start_envs(cfg, 3)
+    assert len(started) == 2 and all(e.closed and e.jvm_pid is None for e in started)
