@@ -1,4 +1,8 @@
-"""Tip memory: policy-written tips, their embeddings, retrieval, and the prompt block that carries them."""
+"""Tip memory: policy-written tips, their embeddings, retrieval, and the prompt block that carries them.
+
+The package owns `TipMemory` (an hnswlib index, its records and their lifecycle), the sentence embedder and the tip
+sanitiser. May import `empo2.config`, `empo2.utils` and `empo2.algo`; models, rollout, lit and workflows sit above
+it."""
 
 from .embedder import Embedder
 from .records import TipRecord
