@@ -258,7 +258,8 @@ def test_fsdp_shards_are_float32_after_a_step_and_after_resuming_a_bfloat16_chec
     `empo2 eval` of the fsdp run plays in bfloat16."""
     run = tmp_path / "fsdp"
     first = _fsdp_ranks(tmp_path, f"run_root={tmp_path}", "run_name=fsdp")
-    f32_shards = {"trainable": [F32], "frozen": [], "state": [F32], "ref": [], "sharded": True}
+    f32_shards = {"trainable": [F32], "frozen": [], "state": [F32], "ref": [], "ref_is_policy": False,
+                  "sharded": True}
     for rank in first:
         assert {k: v for k, v in rank["step"].items() if k != "states"} == f32_shards, rank
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
