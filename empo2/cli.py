@@ -68,13 +68,15 @@ def interrupt(signum=None, frame=None):
     the middle of a checkpoint write, which finishes first (`utils.uninterrupted`)."""
     import signal
 
-    from empo2.utils import hold_interrupt
+    from empo2.utils import hold_interrupt, record_interrupt
     from empo2.utils.errors import Interrupted
 
     if hold_interrupt(interrupt):
         return
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    raise Interrupted()
+    error = Interrupted()
+    record_interrupt(error)  # raised again where the iteration ends, should a finalizer swallow it
+    raise error
 
 
 def _interruptible(run, cfg, overrides: list[str]):
@@ -82,9 +84,15 @@ def _interruptible(run, cfg, overrides: list[str]):
     command that resumes the run; exit status 130. A second Ctrl-C stops at once."""
     import signal
 
+    from empo2.utils import record_interrupt
     from empo2.utils.errors import Interrupted
 
-    previous = signal.signal(signal.SIGINT, interrupt)
+    def quiet_when_interrupted(unraisable):  # the swallowed interrupt comes back at the iteration's end
+        if not isinstance(unraisable.exc_value, Interrupted):
+            previous_hook(unraisable)
+
+    previous, previous_hook = signal.signal(signal.SIGINT, interrupt), sys.unraisablehook
+    sys.unraisablehook = quiet_when_interrupted
     try:
         return run()
     except Interrupted as e:
@@ -102,6 +110,8 @@ def _interruptible(run, cfg, overrides: list[str]):
         raise SystemExit(130) from None
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+        record_interrupt(None)
 
 
 def _last_checkpoint(run_dir: Path) -> tuple[Path, int] | None:

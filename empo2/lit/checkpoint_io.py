@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from empo2.lit.progress import PhaseTimes
-from empo2.utils import fsync_path, uninterrupted
+from empo2.utils import fsync_path, raise_pending_interrupt, uninterrupted
 from empo2.utils.faults import maybe_fail
 
 TMP_SUFFIX = ".tmp"
@@ -102,8 +102,11 @@ class IterationCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         iteration = trainer.current_epoch
-        if (iteration + 1) % self.every:
-            return
+        if (iteration + 1) % self.every == 0:
+            self._save(trainer, iteration)
+        raise_pending_interrupt()  # the iteration is done: a Ctrl-C a finalizer swallowed stops the run here
+
+    def _save(self, trainer, iteration: int) -> None:
         path = self.dirpath / f"iter-epoch={iteration:04d}.ckpt"  # the name Lightning's ModelCheckpoint gave them
         t0 = time.perf_counter()
         # every rank takes part (sharded strategies gather), rank 0 writes; the full state: optimiser, callbacks

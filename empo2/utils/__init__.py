@@ -117,6 +117,26 @@ def uninterrupted():
         act()
 
 
+# A Ctrl-C whose exception Python swallows (raised while a finalizer, `__del__`, runs: printed as "Exception
+# ignored" and dropped) would otherwise be lost and the run would go on to its end: the handler records it, and
+# `raise_pending_interrupt` raises it again where an iteration ends.
+_pending_interrupt: BaseException | None = None
+
+
+def record_interrupt(error: BaseException | None) -> None:
+    """For a signal handler: the error it is about to raise (None forgets a recorded one)."""
+    global _pending_interrupt
+    _pending_interrupt = error
+
+
+def raise_pending_interrupt() -> None:
+    """Raise a recorded interrupt that never reached the run (see `record_interrupt`)."""
+    global _pending_interrupt
+    if _pending_interrupt is not None:
+        error, _pending_interrupt = _pending_interrupt, None
+        raise error
+
+
 def hold_interrupt(act: Callable[[], None]) -> bool:
     """For a signal handler: inside an `uninterrupted` block, keep `act` for the block's end and return True."""
     global _held_interrupt

@@ -104,13 +104,16 @@ def _own_shm_names(token: str) -> None:
 def _unlink_shm() -> None:
     """Removes this rank's shared-memory segment names once the engine is built: every shard has mapped every
     segment by then (vLLM's shm set-up ends on a group barrier), and a mapping outlives its name, so the memory
-    stays until the processes end, however they end."""
+    stays until the processes end, however they end. Ends on a group barrier, so that once any shard's engine
+    stands every name of its group is gone."""
+    import torch.distributed as dist
     from vllm.distributed import parallel_state
 
     for group in (parallel_state.get_tp_group(), parallel_state.get_pp_group()):
         name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
         if name is not None:
             Path("/dev/shm", f"{name}_{group.rank_in_group}").unlink(missing_ok=True)
+            dist.barrier(group=group.cpu_group)
 
 
 def cpu_kv_cache_gib(config, max_model_len: int | None, dtype: str) -> float:
