@@ -80,12 +80,18 @@ def _child(tree: Path, config: str, iterations: int, run_root: Path) -> dict:
     import resource
 
     sys.path.insert(0, str(tree))
+    # the editable install's finder would fill in any module the tree lacks from the working tree, mixing commits
+    sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith("__editable__")]
     import lightning as L
 
     from empo2.config import load_config
     from empo2.lit import callbacks as cb_mod
     from empo2.lit import checkpoint_io, module
-    from empo2.workflows.train import train
+
+    try:  # the packages by layer, or in a commit from before them the flat modules
+        from empo2.workflows.train import train
+    except ImportError:
+        from empo2.train import train
 
     try:  # the rollout worker, or in a commit from before it the collector that played its part
         from empo2.rollout.worker import RolloutWorker as Rollouts
