@@ -34,7 +34,7 @@ from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine
 
 
 def sampling(args) -> dict:
-    model, tok = load_policy(ModelConfig(name="smollm2-135m-instruct"))
+    model, tok = load_policy(ModelConfig(name="smollm2"))
     model.eval()
     prompts = make_prompts(tok, args.prompts)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_at_newline=False)

@@ -1,6 +1,6 @@
 """The sampler/trainer gap on this machine: a float32 trainer (`trainer.precision=32-true`) scores the tokens the HF
 engine sampled at float32 and at bfloat16 (`engine.dtype`), on the shipped MiniSci prior's real first-turn prompts
-(or SmolLM2 with --model smollm2-135m-instruct). vLLM's gap is measured through training, in
+(or SmolLM2 with --model smollm2). vLLM's gap is measured through training, in
 tests/integration/test_vllm.py.
 
     python benchmarks/logprob_gap.py
@@ -34,7 +34,7 @@ TEMPERATURE = 0.7
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="minisci-tips-signed")
+    ap.add_argument("--model", default="minisci_tips_signed")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "logprob_gap.json"))

@@ -77,7 +77,7 @@ def timed(fn, repeats: int) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="model preset (empo2.config.presets.PRESETS)")
+    ap.add_argument("--model", default="smollm2", help="model preset (empo2.config.presets.PRESETS)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)

@@ -35,7 +35,7 @@ update tokens/s (real prompt + response tokens, padding excluded) and seconds pe
 per rollout (episode length) depend on the model; see the `ep len` column. Prints markdown tables and
 writes JSON. `--quick` runs N in (2, 4) and k in (0, 4) with 4-step episodes in the group sweep.
 
-    python benchmarks/rollout_update_scaling.py [--model smollm2-135m-instruct|tiny] [--threads 2] [--quick]
+    python benchmarks/rollout_update_scaling.py [--model smollm2|tiny] [--threads 2] [--quick]
         [--group-sizes 2 4 8] [--max-steps 6] [--history 0 2 4 8] [--history-group-size 4]
         [--repeats 1] [--out benchmarks/results/rollout_update_scaling.json]
 """
@@ -163,7 +163,7 @@ def print_table(title: str, key: str, label: str, rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct", choices=("tiny", "smollm2-135m-instruct"))
+    ap.add_argument("--model", default="smollm2", choices=("tiny", "smollm2"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="N in (2, 4), k in (0, 4), 4-step group-sweep episodes")
     ap.add_argument("--group-sizes", type=int, nargs="+", default=None, help="default 2 4 8 (quick: 2 4)")

@@ -18,7 +18,7 @@ per step), and the ratio module/raw is the module's efficiency (1.0: no overhead
 time is reported too: on a shared machine it is the least disturbed estimate. Prints a table and
 writes JSON.
 
-    python benchmarks/update_efficiency.py [--model tiny|smollm2-135m-instruct] [--threads 2] [--rounds 3]
+    python benchmarks/update_efficiency.py [--model tiny|smollm2] [--threads 2] [--rounds 3]
         [--out benchmarks/results/update_efficiency.json]
 """
 
@@ -119,7 +119,7 @@ def time_raw(policy, batch: dict[str, torch.Tensor], old: torch.Tensor, adv: tor
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m-instruct"))
+    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="samples per step (one micro-batch = one mini-batch)")
     ap.add_argument("--prompt-len", type=int, default=300)

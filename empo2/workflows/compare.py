@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from empo2.algo.stats import T_SEEDS, TWO_LEVEL, t_interval, two_level_bootstrap
-from empo2.config import ConfigError, current_metric
+from empo2.config import ConfigError, current_metric, current_model
 
 # scores and the extrinsic return: `rollout/return` includes the novelty bonus, so it does not compare
 # EMPO² with GRPO like for like
@@ -195,6 +195,8 @@ def compare(experiment: str, tracking_uri: str, out: str | Path, group_by: str |
     groups: dict[str, list] = defaultdict(list)
     for r in finished:
         key = r.data.tags.get(group_by, r.data.params.get(group_by))
+        if key is not None and group_by in ("model", "model.name"):  # a run tagged before its preset's rename
+            key = current_model(key)
         groups[str(key) if key is not None else "(none)"].append(r)
     if baseline is not None and baseline not in groups:
         raise ConfigError(f"--baseline {baseline!r} is not a group of {experiment!r} grouped by {group_by} "

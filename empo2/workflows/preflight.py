@@ -84,7 +84,7 @@ def attention_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
     folder = checkpoint_folder(cfg.model)
     if folder is None and PRESETS[cfg.model.name].hf_id:
         folder = resolve_path(cfg.model)
-    if folder is None and cfg.model.name == "smollm2-135m-instruct":
+    if folder is None and cfg.model.name == "smollm2":
         folder = smollm2_cache_dir()
     if folder is None or not (folder / "config.json").is_file():
         return None, None

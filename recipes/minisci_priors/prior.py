@@ -1,4 +1,4 @@
-"""`minisci-bc`: a small policy with a prior, so EMPO² experiments fit on a CPU.
+"""`minisci_bc`: a small policy with a prior, so EMPO² experiments fit on a CPU.
 
 With SmolLM2-135M one EMPO² iteration on MiniSci takes over a minute on a laptop's CPU (docs/priors.md), so
 comparing several methods over seeds is out of its reach. This preset is a
@@ -10,9 +10,9 @@ task, but not where things are in an unseen house: finding them is left to explo
 what EMPO² is about. It writes its own tips like any policy (it was never taught to, so they read
 like actions), and it never saw a tip in a prompt.
 
-Built by `python -m recipes.minisci_priors.prior_rounds build minisci-bc` or on a probe's first use (deterministic
+Built by `python -m recipes.minisci_priors.prior_rounds build minisci_bc` or on a probe's first use (deterministic
 for a seed; docs/priors.md gives the build time), written atomically and cached
-under `$EMPO2_CACHE/models/minisci-bc-<hash>`.
+under `$EMPO2_CACHE/models/minisci_bc-<hash>`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from empo2.models.io import SHIPPED, build_bpe_tokenizer, build_tiny_model, save_cached_checkpoint
+from empo2.models.io import SHIPPED, build_bpe_tokenizer, build_tiny_model, cache_folders, save_cached_checkpoint
 from empo2.utils import cache_root
 
 # Kept in step with PromptBuilder's settings in conf/rollout/default.yaml (max_prompt_tokens, history_turns), so
@@ -167,7 +167,7 @@ def _epoch_order(rng: random.Random, lengths: list[int], batch_size: int, by_len
     return [i for batch in batches for i in batch]
 
 
-def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci-bc",
+def behaviour_clone(model, examples, settings: BCSettings, pad_id: int, log=print, name: str = "minisci_bc",
                     by_length: bool = False, lm_weight: float = 0.0,
                     auxiliary: Callable[[], torch.Tensor] | None = None,
                     auxiliary_params: list[torch.nn.Parameter] | tuple = ()) -> dict:
@@ -236,14 +236,15 @@ def build_minisci_bc(settings: BCSettings, log=print):
     return model, tok, stats
 
 
-def cache_dir(settings: BCSettings | None = None, name: str = "minisci-bc") -> Path:
+def cache_dir(settings: BCSettings | None = None, name: str = "minisci_bc") -> Path:
     return cache_root() / "models" / f"{name}-{(settings or BCSettings()).key()}"
 
 
 def ready_path(name: str, settings: BCSettings) -> Path | None:
-    """Where the finished prior `name` with these settings is: the cache, else the shipped copy, else None."""
+    """Where the finished prior `name` with these settings is: the cache (under the name it was built with), else
+    the shipped copy, else None."""
     target = cache_dir(settings, name)
-    for path in (target, SHIPPED / target.name):
+    for path in (*(target.parent / folder for folder in cache_folders(name, target.name)), SHIPPED / target.name):
         if (path / "empo2_source.json").is_file():  # written last: its presence means a finished build
             return path
     return None
@@ -266,4 +267,4 @@ def ensure_cached(name: str, settings: BCSettings, build, log=print, source: dic
 
 def ensure_minisci_bc(settings: BCSettings | None = None, log=print) -> Path:
     """Path of the cached clone, building it on first use."""
-    return ensure_cached("minisci-bc", settings or BCSettings(), build_minisci_bc, log)
+    return ensure_cached("minisci_bc", settings or BCSettings(), build_minisci_bc, log)

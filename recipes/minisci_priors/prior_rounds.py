@@ -1,4 +1,4 @@
-"""The rounds that make the shipped tip readers from `minisci-tips`: it plays its own episodes and learns from them.
+"""The rounds that make the shipped tip readers from `minisci_tips`: it plays its own episodes and learns from them.
 
 The scripted episodes of `recipes.minisci_priors.prior_tips` teach the prior to write tips about *scripted* play,
 where what an episode did is also what its task and house predict (the prior-driven agent always takes the same
@@ -625,7 +625,7 @@ ROUND_COMMAND = "python -m recipes.minisci_priors.prior_rounds round"
 def round_parser() -> argparse.ArgumentParser:
     """The options of one `run_round` call (a command line, so that a checkpoint records how it was made as a
     command anyone can run again)."""
-    ap = argparse.ArgumentParser(prog=ROUND_COMMAND, description="Fine-tune the minisci-tips prior (or --start) on "
+    ap = argparse.ArgumentParser(prog=ROUND_COMMAND, description="Fine-tune the minisci_tips prior (or --start) on "
                                  "examples from episodes it plays itself.")
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--learn", choices=("tips", "actions", "both", "none"), default="tips",
@@ -796,9 +796,9 @@ def run_round(args: argparse.Namespace, log=print) -> Path:
     return out
 
 
-SHIPPED_BY_ROUNDS = ("minisci-tips-reader", "minisci-tips-signed")  # the shipped priors made by rounds
+SHIPPED_BY_ROUNDS = ("minisci_tips_reader", "minisci_tips_signed")  # the shipped priors made by rounds
 # the priors built with their default settings into the cache, where `model=minisci_bc|minisci_tips` loads them
-STAGE_ONE = {"minisci-bc": ensure_minisci_bc, "minisci-tips": ensure_minisci_tips}
+STAGE_ONE = {"minisci_bc": ensure_minisci_bc, "minisci_tips": ensure_minisci_tips}
 
 
 def recorded_rounds(name: str) -> list[list[str]]:

@@ -1,6 +1,6 @@
-"""`minisci-tips`: a CPU policy with the three abilities EMPO²'s memory relies on in an instruct LLM.
+"""`minisci_tips`: a CPU policy with the three abilities EMPO²'s memory relies on in an instruct LLM.
 
-`minisci-bc` (recipes/minisci_priors/prior.py) only acts; it never saw a tip and never learned to write one, so with it
+`minisci_bc` (recipes/minisci_priors/prior.py) only acts; it never saw a tip and never learned to write one, so with it
 the memory half of EMPO² is inert. This preset is the same 0.7M-parameter model trained, on MiniSci
 *dev* variations only (never the variations RL trains, validates or tests on), with the collector's own
 `PromptBuilder`, to
@@ -28,8 +28,8 @@ step. And the loss also predicts the context tokens (`lm_weight`), the dense nex
 from pretraining, from which copying what the context says (a room a tip names, a door an observation
 lists) is learned; with only the actions as targets, three CPU builds learned the grammar and never read.
 
-Built by `python -m recipes.minisci_priors.prior_rounds build minisci-tips` or on a probe's first use (deterministic
-for a seed), written atomically and cached under `$EMPO2_CACHE/models/minisci-tips-<hash>`, as `minisci-bc` is.
+Built by `python -m recipes.minisci_priors.prior_rounds build minisci_tips` or on a probe's first use (deterministic
+for a seed), written atomically and cached under `$EMPO2_CACHE/models/minisci_tips-<hash>`, as `minisci_bc` is.
 """
 
 from __future__ import annotations
@@ -400,7 +400,7 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         stats = behaviour_clone(model, [(ids, kinds) for _, ids, kinds in sequences], settings, tok.pad_token_id,
-                                log, name="minisci-tips", by_length=True, lm_weight=settings.lm_weight)
+                                log, name="minisci_tips", by_length=True, lm_weight=settings.lm_weight)
     stats["episodes"] = len(episodes)
     stats["sequences_by_kind"] = {k: sum(s[0] == k for s in sequences) for k in KINDS}
     stats["tokens"] = sum(len(ids) for _, ids, _ in sequences)
@@ -410,7 +410,7 @@ def build_minisci_tips(settings: TipPriorSettings, log=print):
 
 def ensure_minisci_tips(settings: TipPriorSettings | None = None, log=print):
     """Path of the cached model, building it on first use."""
-    return ensure_cached("minisci-tips", settings or TipPriorSettings(), build_minisci_tips, log,
+    return ensure_cached("minisci_tips", settings or TipPriorSettings(), build_minisci_tips, log,
                          source={"prompt_layout": MINISCI_TIPS_LAYOUT})
 
 
@@ -427,9 +427,9 @@ def cached_prior(settings: TipPriorSettings, start=None):
     """(path, model, tokenizer, training sequences) of the built prior, or of the checkpoint `start` (a fine-tune
     of it, with its tokenizer), with the prior's sequences, for a probe that continues training it (a probe never
     builds it: the recipe's build command does)."""
-    path = Path(start) if start else ready_path("minisci-tips", settings)
+    path = Path(start) if start else ready_path("minisci_tips", settings)
     if path is None:
-        raise FileNotFoundError("no minisci-tips with the current settings: build it first "
-                                "(python -m recipes.minisci_priors.prior_rounds build minisci-tips)")
+        raise FileNotFoundError("no minisci_tips with the current settings: build it first "
+                                "(python -m recipes.minisci_priors.prior_rounds build minisci_tips)")
     model, tok = load_local(path, torch.float32)
     return path, model, tok, training_sequences(prompt_builder(tok), dev_episodes(settings), settings)

@@ -26,7 +26,7 @@ def test_tiny_model_is_deterministic_and_generates_from_a_chat_prompt():
 
 def test_hf_missing_path_says_what_to_download(tmp_path):
     with pytest.raises(ConfigError, match="huggingface-cli download Qwen/Qwen2.5-7B-Instruct"):
-        load_policy(ModelConfig(name="qwen2.5-7b-instruct", path=str(tmp_path / "nope")))
+        load_policy(ModelConfig(name="qwen2.5-7b", path=str(tmp_path / "nope")))
 
 
 def test_hf_loads_a_local_checkpoint(tmp_path):
@@ -62,21 +62,21 @@ def test_lora_wraps_the_policy_and_trains_only_adapters():
 @pytest.mark.slow
 def test_bundled_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))
-    model, tok = load_policy(ModelConfig(name="smollm2-135m-instruct"))
-    cache = tmp_path / "models" / "smollm2-135m-instruct"
+    model, tok = load_policy(ModelConfig(name="smollm2"))
+    cache = tmp_path / "models" / "smollm2"
     assert (cache / "model.safetensors").is_file() and (cache / "empo2_source.json").is_file()
     assert not [p for p in cache.parent.iterdir() if p.name.startswith(".tmp-")]  # no half-written leftovers
     _, text = _chat_generate(model, tok, n=12)
     assert "hello" in text.lower() or "hi" in text.lower(), text
     # a cache without its completion marker is rebuilt, never trusted
     (cache / "empo2_source.json").unlink()
-    model2, _ = load_policy(ModelConfig(name="smollm2-135m-instruct"))
+    model2, _ = load_policy(ModelConfig(name="smollm2"))
     assert (cache / "empo2_source.json").is_file()
     assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
 
 
 def test_a_recipe_built_prior_not_built_here_stops_with_the_command_that_builds_it(tmp_path, monkeypatch):
     monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))  # an empty cache: nothing built on this machine
-    build = "`python -m recipes.minisci_priors.prior_rounds build minisci-bc`"
-    with pytest.raises(ConfigError, match=rf"^model.name=minisci-bc is not built on this machine: {build} builds it"):
-        load_policy(ModelConfig(name="minisci-bc"))
+    build = "`python -m recipes.minisci_priors.prior_rounds build minisci_bc`"
+    with pytest.raises(ConfigError, match=rf"^model.name=minisci_bc is not built on this machine: {build} builds it"):
+        load_policy(ModelConfig(name="minisci_bc"))

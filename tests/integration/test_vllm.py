@@ -35,7 +35,7 @@ from tests.services import free_port
 
 pytestmark = pytest.mark.needs("vllm")
 
-PRIOR = ModelConfig(name="minisci-tips-signed")
+PRIOR = ModelConfig(name="minisci_tips_signed")
 # float32 on both sides: vLLM's CPU kernels (oneDNN-repacked linear layers, its own attention) sum in another order
 # than torch's, so the two agree to float32 rounding, not to the bit (measured: 1.4e-6 on the prior, 5.5e-5 on
 # SmolLM2 over 8 prompts x 32 tokens)
@@ -186,7 +186,7 @@ def test_the_cpu_cache_default_holds_one_request_of_max_model_len():
 def test_smollm2_behaviour_logprobs_match_the_trainers(prompts):
     """With the CPU's default KV cache: 0.5 GiB, which holds one request of SmolLM2's 8,192 positions (0.35 GiB),
     so the engine starts at the model's full length."""
-    model, tok = load_policy(ModelConfig(name="smollm2-135m-instruct"))
+    model, tok = load_policy(ModelConfig(name="smollm2"))
     smol = VLLMEngine(model, tok)
     assert smol.max_model_len == 8192 and cpu_kv_cache_gib(model.config, None, "float32") == CPU_KV_CACHE_GIB
     assert smol.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == CPU_KV_CACHE_GIB * 2**30

@@ -327,7 +327,7 @@ def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_o
     for r in runs:
         c, under = r.cfg, load_config([f"experiment={r.preset.removesuffix('_tips')}"])
         assert (c.model.name, c.rollout.history_turns, c.rollout.tips_in_history, c.memory.top_k, c.env.tasks) == \
-            ("minisci-tips-reader", None, True, 3, ["find-living-thing"])
+            ("minisci_tips_reader", None, True, 3, ["find-living-thing"])
         assert c.trainer.val_train and c.env.val_split == "test" and c.torch_threads == 1
         assert dataclasses.asdict(c.algo) == dataclasses.asdict(under.algo)
     same = {r.preset: r.cfg for r in runs}
@@ -343,9 +343,9 @@ def test_the_live_memory_headline_plans_its_prior_on_the_layout_it_was_trained_o
     _, signed = plan_grid(GRIDS / "headline_minisci_signed.yaml", seeds=1)
     assert [r.preset for r in signed] == list(same)
     for r in signed:
-        assert (r.cfg.model.name, r.cfg.memory.top_k, r.cfg.memory.rank_by) == ("minisci-tips-signed", 1, "score")
+        assert (r.cfg.model.name, r.cfg.memory.top_k, r.cfg.memory.rank_by) == ("minisci_tips_signed", 1, "score")
         assert dataclasses.replace(r.cfg.memory, rank_by="similarity", top_k=3) == same[r.preset].memory
-        assert dataclasses.replace(r.cfg.model, name="minisci-tips-reader") == same[r.preset].model
+        assert dataclasses.replace(r.cfg.model, name="minisci_tips_reader") == same[r.preset].model
         assert dataclasses.asdict(r.cfg.algo) == dataclasses.asdict(same[r.preset].algo)
         assert dataclasses.asdict(r.cfg.rollout) == dataclasses.asdict(same[r.preset].rollout)
         assert dataclasses.asdict(r.cfg.env) == dataclasses.asdict(same[r.preset].env)

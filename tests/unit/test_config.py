@@ -64,6 +64,8 @@ def test_every_field_is_documented():
         ("model.gradient_checkpointing=true", "model.gradient_checkpointing: no longer a key; use "
                                               "trainer.gradient_checkpointing"),
         ("trainer.val_memory=true", "trainer.val_memory: no longer a key; use trainer.val_mem"),
+        ("model.name=minisci-tips-signed", "model.name=minisci-tips-signed: no longer a name; use "
+                                           "model.name=minisci_tips_signed"),
     ],
 )
 def test_bad_values_raise_one_line_naming_the_key(override, needle):
@@ -128,14 +130,14 @@ def test_minisci_tips_runs_only_on_the_prompt_layout_it_was_trained_on():
     assert cfg.rollout.max_prompt_tokens == cfg.rollout.max_tip_request_tokens == MAX_PROMPT_TOKENS
     assert load_config(["model=minisci_tips", "rollout.max_new_tokens=5"]).rollout.history_turns is None
     assert load_config(["model=smollm2"]).rollout.history_turns == 2
-    with pytest.raises(ConfigError, match=r"^rollout.history_turns=2 is not allowed with model.name=minisci-tips"):
+    with pytest.raises(ConfigError, match=r"^rollout.history_turns=2 is not allowed with model.name=minisci_tips"):
         load_config(["model=minisci_tips", "rollout.history_turns=2"])
     with pytest.raises(ConfigError, match=r"^rollout.tips_in_history=False is not allowed with model.name=minisci"):
         load_config(["model=minisci_tips", "rollout=whole_chat", "rollout.tips_in_history=false"])
 
 
 def test_a_checkpoint_that_records_its_prompt_layout_is_held_to_it(tmp_path):
-    """A fine-tuned copy of minisci-tips loaded as `model.name=hf` keeps the layout it was trained on, even under
+    """A fine-tuned copy of minisci_tips loaded as `model.name=hf` keeps the layout it was trained on, even under
     a preset that sets another (the paper's): the layout comes from the checkpoint's own marker."""
     from empo2.config.presets import MINISCI_TIPS_LAYOUT
 
@@ -290,6 +292,56 @@ def test_a_saved_config_with_old_keys_migrates_to_todays():
     assert saved["model"]["gradient_checkpointing"]  # the saved dict itself is left as it was
     both_off = {"model": {"gradient_checkpointing": False}, "trainer": {"gradient_checkpointing": False}}
     assert migrate_config(both_off)["trainer"] == {"gradient_checkpointing": False}
+
+
+def test_a_preset_has_one_name_its_option_its_model_name_and_its_folder():
+    from empo2.config import group_options
+    from empo2.config.presets import PRESETS
+    from empo2.models.io import SHIPPED
+
+    assert set(PRESETS) == set(group_options("model"))
+    for option in group_options("model"):
+        assert load_config([f"model={option}", "model.path=/x"]).model.name == option
+    assert {p.name for p in PRESETS.values() if p.shipped} == {d.name for d in SHIPPED.iterdir() if d.is_dir()}
+
+
+def test_a_presets_former_name_maps_to_todays_and_is_refused_on_the_command_line():
+    from empo2.config import RENAMED_MODELS, current_model, migrate_config
+    from empo2.config.presets import PRESETS
+
+    assert RENAMED_MODELS["minisci-tips-signed"] == "minisci_tips_signed"
+    assert RENAMED_MODELS["qwen2.5-7b-instruct"] == "qwen2.5-7b"
+    assert RENAMED_MODELS["smollm2-135m-instruct"] == "smollm2"
+    assert set(RENAMED_MODELS.values()) <= set(PRESETS) and not set(RENAMED_MODELS) & set(PRESETS)
+    assert current_model("minisci-bc") == "minisci_bc" and current_model("tiny") == "tiny"
+    saved = {"model": {"name": "minisci-tips-reader", "dtype": "float32"}}
+    assert migrate_config(saved) == {"model": {"name": "minisci_tips_reader", "dtype": "float32"}}
+    assert saved["model"]["name"] == "minisci-tips-reader"  # the saved dict itself is left as it was
+    for old, new in RENAMED_MODELS.items():
+        with pytest.raises(ConfigError, match=rf"^model.name={old}: no longer a name; use model.name={new}$"):
+            load_config([f"model.name={old}", "model.path=/x"])
+
+
+def test_a_run_saved_under_a_presets_former_name_evaluates_and_its_grid_resumes(tmp_path):
+    """`model.name: minisci-tips-signed` in a summary.json written before each preset took its option's name:
+    `empo2 eval` reads it as `minisci_tips_signed`, and a grid asking for `model=minisci_tips_signed` counts the run
+    as finished."""
+    from empo2.config import to_dict
+    from empo2.workflows.evaluate import run_config
+    from empo2.workflows.grid import GridRun, is_finished
+
+    wanted = ["model=minisci_tips_signed", "logger=none"]
+    grid_cfg = load_config(wanted + [f"run_root={tmp_path}", "run_name=run"])
+    saved = json.loads(json.dumps(to_dict(grid_cfg), default=str))
+    saved["model"]["name"] = "minisci-tips-signed"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"config": saved}))
+    assert run_config(run_dir / "checkpoints" / "last.ckpt", []).model.name == "minisci_tips_signed"
+    assert is_finished(GridRun("p", 0, wanted, grid_cfg))
+    with pytest.raises(ConfigError, match=r"^model.name=minisci-tips-signed: no longer a name; use "
+                                          r"model.name=minisci_tips_signed$"):
+        run_config(run_dir / "checkpoints" / "last.ckpt", ["model.name=minisci-tips-signed"])
 
 
 SAVED_BY_MAIN = json.loads((Path(__file__).parent.parent / "data" / "saved_by_main" / "configs.json").read_text())

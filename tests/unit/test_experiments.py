@@ -34,8 +34,8 @@ def test_minisci_variant_keeps_the_algorithm_and_runs_on_cpu(preset):
     gpu, cpu = _cfg(preset), _cfg(f"{preset}_minisci")
     assert dataclasses.asdict(gpu.algo) == dataclasses.asdict(cpu.algo)
     assert dataclasses.asdict(gpu.memory) == dataclasses.asdict(cpu.memory)
-    assert (gpu.env.name, gpu.model.name, gpu.trainer.strategy) == ("scienceworld", "qwen2.5-7b-instruct", "fsdp")
-    assert (cpu.env.name, cpu.model.name, cpu.trainer.accelerator) == ("minisci", "smollm2-135m-instruct", "cpu")
+    assert (gpu.env.name, gpu.model.name, gpu.trainer.strategy) == ("scienceworld", "qwen2.5-7b", "fsdp")
+    assert (cpu.env.name, cpu.model.name, cpu.trainer.accelerator) == ("minisci", "smollm2", "cpu")
     assert cpu.experiment == f"{preset}_minisci"
 
 
@@ -81,7 +81,7 @@ RELEASED = {
     "env.name": "scienceworld", "env.tasks": ["power-component"], "env.train_variations": 5,
     "env.val_split": "test", "env.val_variations": 20, "env.val_repeats": 4, "env.simplification": "easy",
     "env.max_steps": None, "env.action_correction": True, "env.reward_scale": 1.0, "env.clamp_score": False,
-    "model.name": "qwen2.5-7b-instruct",
+    "model.name": "qwen2.5-7b",
 }
 
 

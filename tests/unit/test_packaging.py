@@ -76,7 +76,7 @@ def test_make_demos_command_composes_a_valid_config_on_the_shipped_prior():
 
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if "/empo2 train" in ln)
     cfg = load_config(line.split("empo2 train", 1)[1].split())
-    assert (cfg.model.name, cfg.algo.name, cfg.memory.enabled) == ("minisci-tips-signed", "empo2", True)
+    assert (cfg.model.name, cfg.algo.name, cfg.memory.enabled) == ("minisci_tips_signed", "empo2", True)
     # one tip per prompt, the best-scoring one: the setting in which the memory is live in training
     # (reports/headline_minisci_tips_top1)
     assert (cfg.memory.top_k, cfg.memory.rank_by) == (1, "score")

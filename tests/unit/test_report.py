@@ -49,7 +49,7 @@ def test_the_start_header_names_the_run_its_settings_and_where_it_goes(tmp_path)
     cfg = load_config(["experiment=grpo_minisci", "env.tasks=[find-living-thing]", "seed=3"])
     lines = start_lines(cfg, tmp_path / "run", "abc123")
     assert lines[0].startswith("empo2 train: grpo_minisci | grpo (p 0, q 0")
-    assert "model smollm2-135m-instruct | minisci: find-living-thing" in lines[0]
+    assert "model smollm2 | minisci: find-living-thing" in lines[0]
     assert f"seed 3 | run folder {tmp_path / 'run'}" in lines[1] and "on cpu x1" in lines[1]
     assert lines[2].startswith("  MLflow run abc123 in ")
     assert len(start_lines(cfg, tmp_path, None)) == 2  # no tracking, no MLflow line

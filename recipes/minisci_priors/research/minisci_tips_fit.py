@@ -1,4 +1,4 @@
-"""How well the cached `minisci-tips` prior fits its own training data, per kind of sequence and target.
+"""How well the cached `minisci_tips` prior fits its own training data, per kind of sequence and target.
 
 For 48 random training sequences of each kind (whole episodes: prior-driven tip-free, gold under tips that
 locate what is needed, a search under a tip that names a failed look-alike, prior-driven under another family's
@@ -37,9 +37,9 @@ def spans(kinds: list[int]) -> list[tuple[int, int]]:
 def main(per_kind: int = 48, batch: int = 8) -> None:
     torch.set_num_threads(2)
     settings = TipPriorSettings()
-    path = ready_path("minisci-tips", settings)
+    path = ready_path("minisci_tips", settings)
     if path is None:
-        raise SystemExit("no minisci-tips with the current settings: build it first (any run with model=minisci_tips)")
+        raise SystemExit("no minisci_tips with the current settings: build it first (any run with model=minisci_tips)")
     model, tok = load_local(path, torch.float32)  # the tokenizer it was trained with
     model.eval()
     sequences = training_sequences(prompt_builder(tok), dev_episodes(settings), settings)

@@ -1,4 +1,4 @@
-"""Is the `minisci-tips` prior's tip writing limited by training time? A probe, not a build.
+"""Is the `minisci_tips` prior's tip writing limited by training time? A probe, not a build.
 
 Continues training the cached prior on its own training sequences with only the hindsight tip as the target
 (the actions become context, still predicted with weight `lm_weight`), for `--steps` more steps, and writes the

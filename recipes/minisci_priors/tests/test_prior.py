@@ -1,4 +1,4 @@
-"""The `minisci-bc` policy: cloned only from dev variations, on the collector's own prompts, and the
+"""The `minisci_bc` policy: cloned only from dev variations, on the collector's own prompts, and the
 cloning loop learns; the cache is built once, atomically, and loads as a transformers checkpoint."""
 
 import math

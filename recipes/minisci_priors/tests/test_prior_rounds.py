@@ -21,7 +21,7 @@ from recipes.minisci_priors.prior_tips import TipPriorSettings
 
 
 def test_the_signed_prior_replays_its_four_recorded_rounds_each_starting_where_the_last_wrote(tmp_path):
-    plan = planned_rounds("minisci-tips-signed", tmp_path)
+    plan = planned_rounds("minisci_tips_signed", tmp_path)
     assert len(plan) == 4  # the chain's stage-1 build is implied by the rounds' --setting, not a round
     outs = [argv[argv.index("--out") + 1] for argv in plan]
     assert outs == [str(tmp_path / n) for n in ("reader-v7", "reader-v7mj", "reader-v7mjt", "reader-v7mjt2")]
@@ -30,7 +30,7 @@ def test_the_signed_prior_replays_its_four_recorded_rounds_each_starting_where_t
         assert argv[argv.index("--start") + 1] == before
     last = parse_round(plan[-1])
     # the shipped checkpoint's own record names the settings its last round ran with
-    source = json.loads((shipped_prior("minisci-tips-signed") / "empo2_source.json").read_text())
+    source = json.loads((shipped_prior("minisci_tips_signed") / "empo2_source.json").read_text())
     assert (last.learn, last.episodes, last.decisions, last.match_weight, last.replay, last.epochs, last.seed) == (
         source["args"]["learn"], source["args"]["episodes"], source["args"]["decisions"],
         source["args"]["match_weight"], source["args"]["replay"], source["args"]["epochs"], source["args"]["seed"])
@@ -39,7 +39,7 @@ def test_the_signed_prior_replays_its_four_recorded_rounds_each_starting_where_t
 
 
 def test_the_reader_replays_its_one_recorded_command(tmp_path):
-    (argv,) = planned_rounds("minisci-tips-reader", tmp_path)
+    (argv,) = planned_rounds("minisci_tips_reader", tmp_path)
     args = parse_round(argv)
     assert (args.learn, args.iterations, args.start, Path(args.out)) == ("actions", 2, None,
                                                                           tmp_path / "minisci-tips-reader")
@@ -50,7 +50,7 @@ def test_every_shipped_prior_made_by_rounds_records_them():
     for name in SHIPPED_BY_ROUNDS:
         assert recorded_rounds(name)
     with pytest.raises(SystemExit, match="not a prior built by rounds"):
-        planned_rounds("minisci-bc", Path("x"))
+        planned_rounds("minisci_bc", Path("x"))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -73,6 +73,6 @@ def test_a_round_that_cannot_run_is_refused_in_one_line_before_any_work(argv, me
 
 def test_the_loader_looks_for_the_stage_one_priors_where_the_recipe_builds_them():
     # `model=minisci_bc|minisci_tips` load from the cache folder the recipe's default settings name
-    assert RECIPE_BUILT == {"minisci-bc": cache_dir(BCSettings()).name,
-                            "minisci-tips": cache_dir(TipPriorSettings(), "minisci-tips").name}
+    assert RECIPE_BUILT == {"minisci_bc": cache_dir(BCSettings()).name,
+                            "minisci_tips": cache_dir(TipPriorSettings(), "minisci_tips").name}
     assert set(STAGE_ONE) == set(RECIPE_BUILT)

@@ -1,4 +1,4 @@
-"""The `minisci-tips` policy's data: dev variations only, the collector's own prompts (tip blocks as the
+"""The `minisci_tips` policy's data: dev variations only, the collector's own prompts (tip blocks as the
 collector formats them, every step's prompt a prefix of its episode's chat), hindsight tips that say only what
 the episode's observations showed, actions with tips that follow what the tips say, and a cache built once."""
 
@@ -331,7 +331,7 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     monkeypatch.setenv("EMPO2_CACHE", str(tmp_path))
     logs = []
     path = ensure_minisci_tips(SMALL, log=logs.append)
-    assert (path / "empo2_source.json").is_file() and path.name.startswith("minisci-tips-")
+    assert (path / "empo2_source.json").is_file() and path.name.startswith("minisci_tips-")
     # it records the layout it was trained on, so `model.name=hf model.path=` copies are held to it (test_config)
     assert json.loads((path / "empo2_source.json").read_text())["prompt_layout"] == MINISCI_TIPS_LAYOUT
     assert ensure_minisci_tips(SMALL, log=logs.append) == path
@@ -340,20 +340,19 @@ def test_the_policy_is_built_once_and_loads_as_a_checkpoint(tmp_path, monkeypatc
     assert model.config.hidden_size == SMALL.hidden_size and tok.eos_token == "<|im_end|>"
 
 
-@pytest.mark.parametrize("option, name", [("minisci_tips_reader", "minisci-tips-reader"),
-                                          ("minisci_tips_signed", "minisci-tips-signed")])
-def test_a_shipped_prior_loads_on_its_own_layout_and_records_how_it_was_made(option, name):
-    cfg = load_config([f"model={option}"])  # the preset selects rollout=whole_chat, as minisci_tips does
+@pytest.mark.parametrize("name", ["minisci_tips_reader", "minisci_tips_signed"])
+def test_a_shipped_prior_loads_on_its_own_layout_and_records_how_it_was_made(name):
+    cfg = load_config([f"model={name}"])  # the preset selects rollout=whole_chat, as minisci_tips does
     assert cfg.model.name == name and (cfg.rollout.history_turns, cfg.rollout.tips_in_history) == (None, True)
     with pytest.raises(ConfigError, match=rf"^rollout.history_turns=2 is not allowed with model.name={name}"):
-        load_config([f"model={option}", "rollout.history_turns=2"])
+        load_config([f"model={name}", "rollout.history_turns=2"])
     source = json.loads((shipped_prior(name) / "empo2_source.json").read_text())
     assert source["prompt_layout"] == MINISCI_TIPS_LAYOUT
     # calibration and the probes find the record from the preset alone, as from model.path
     assert checkpoint_folder(cfg.model) == shipped_prior(name)
     hf = load_config(["model=minisci_tips", "model.name=hf", f"model.path={shipped_prior(name)}"]).model
     assert checkpoint_folder(hf) == shipped_prior(name)
-    if name == "minisci-tips-reader":
+    if name == "minisci_tips_reader":
         assert "--learn actions --iterations 2" in source["command"] and len(source["self_play"]) == 2
         assert not tips_signed(shipped_prior(name))
     else:  # build 7 and four self-play rounds, each starting where the one before it wrote its checkpoint
@@ -641,19 +640,39 @@ def test_a_finished_build_is_found_in_the_cache_first_then_among_the_shipped_one
 
     monkeypatch.setenv("EMPO2_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prior, "SHIPPED", tmp_path / "shipped")
-    name = prior.cache_dir(SMALL, "minisci-tips").name
-    assert prior.ready_path("minisci-tips", SMALL) is None
+    name = prior.cache_dir(SMALL, "minisci_tips").name
+    assert prior.ready_path("minisci_tips", SMALL) is None
     (tmp_path / "shipped" / name).mkdir(parents=True)
-    assert prior.ready_path("minisci-tips", SMALL) is None  # unfinished: no record written last
+    assert prior.ready_path("minisci_tips", SMALL) is None  # unfinished: no record written last
     (tmp_path / "shipped" / name / "empo2_source.json").write_text("{}")
-    assert prior.ready_path("minisci-tips", SMALL) == tmp_path / "shipped" / name
+    assert prior.ready_path("minisci_tips", SMALL) == tmp_path / "shipped" / name
     other = prior.cache_dir(TipPriorSettings(epochs=0.02, hidden_size=32, num_layers=1),
-                            "minisci-tips").name
+                            "minisci_tips").name
     assert other != name  # a changed setting never picks up another build's copy
-    cached = prior.cache_dir(SMALL, "minisci-tips")
+    cached = prior.cache_dir(SMALL, "minisci_tips")
     cached.mkdir(parents=True)
     (cached / "empo2_source.json").write_text("{}")
-    assert prior.ready_path("minisci-tips", SMALL) == cached
+    assert prior.ready_path("minisci_tips", SMALL) == cached
+
+
+def test_a_build_cached_before_its_preset_took_its_options_name_is_found_not_made_again(tmp_path, monkeypatch):
+    """A cache folder the recipe wrote while the preset was named `minisci-tips` (`minisci-tips-<settings key>`) holds
+    today's `minisci_tips` with those settings: the recipe and `model=minisci_tips|minisci_bc` find it there."""
+    import recipes.minisci_priors.prior as prior
+    from empo2.models.io import RECIPE_BUILT, recipe_prior
+
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prior, "SHIPPED", tmp_path / "shipped")
+    models = tmp_path / "cache" / "models"
+    old = models / prior.cache_dir(SMALL, "minisci_tips").name.replace("minisci_tips", "minisci-tips")
+    old.mkdir(parents=True)
+    (old / "empo2_source.json").write_text("{}")
+    assert prior.ready_path("minisci_tips", SMALL) == old
+    assert prior.ensure_cached("minisci_tips", SMALL, build=None) == old  # nothing is built
+    old_bc = models / RECIPE_BUILT["minisci_bc"].replace("minisci_bc", "minisci-bc")
+    old_bc.mkdir()
+    (old_bc / "empo2_source.json").write_text("{}")
+    assert recipe_prior("minisci_bc") == old_bc
 
 
 def test_action_log_probs_sum_their_tokens_log_probs(small_policy):
