@@ -400,9 +400,9 @@ class TrainerConfig:
                                          "(`trainer=ddp|fsdp|gpu`) set null.", gt=0, nullable=True)
     gradient_checkpointing: bool = opt(True, "Recompute each decoder layer's activations in the backward pass "
                                        "instead of keeping them from the forward: the update's activation memory "
-                                       "shrinks to about one layer's, for one more forward per micro-batch, and "
-                                       "the update no longer runs shared prompt prefixes once (their key/value "
-                                       "cache is what checkpointing drops). Same gradients to float32 rounding. Set "
+                                       "shrinks to about one layer's, for one more forward per micro-batch; "
+                                       "shared prompt prefixes still run once (their keys and values are kept, and "
+                                       "a layer's recompute reads them again). Same gradients to float32 rounding. Set "
                                        "on the policy after LoRA (non-reentrant, so frozen embeddings need no "
                                        "gradient) and inside each FSDP unit; training only: `empo2 eval` and "
                                        "generation never run a backward. On by default so `empo2 train` fits a "

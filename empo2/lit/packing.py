@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from empo2.models.prefix_cache import PrefixCaches, cheapest_runs
+from empo2.models.prefix_cache import PrefixCaches, caches_through_checkpoints, cheapest_runs
 
 
 def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list | None = None) -> torch.Tensor:
@@ -18,10 +18,11 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
     micro-batch of the headline's 200-380-token prompts: forward and backward 16% faster than one masked,
     left-padded pass; SmolLM2, 8 rows: 12%). Rows that share their system and task text (`prefix_len`) run it
     once: a first pass over each distinct prefix keeps its keys and values, and the rest of every row attends
-    to them (a headline micro-batch: 30% fewer positions, forward and backward 12-16% faster). The rest runs
-    in passes of similar lengths (`length_buckets`: a pass has a fixed cost, `PASS_COST` positions, so rows
-    tens of tokens apart share one). A row's numbers depend on what it is batched with only at float32
-    rounding. On a GPU one padded pass is cheaper.
+    to them (a headline micro-batch: 30% fewer positions, forward and backward 12-16% faster), with gradient
+    checkpointing too (`caches_through_checkpoints`). The rest runs in passes of similar lengths
+    (`length_buckets`: a pass has a fixed cost, `PASS_COST` positions, so rows tens of tokens apart share one).
+    A row's numbers depend on what it is batched with only at float32 rounding. On a GPU one padded pass is
+    cheaper.
 
     With `passes` (a list) and no prefix shared between passes, each pass's logits leave the graph: the
     returned logits are built from leaves, and (pass logits, leaf) pairs are appended for
@@ -33,9 +34,8 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
     mask = batch["attention_mask"].bool()  # (B, P+T): a row's real tokens are contiguous
     lengths, response = mask.sum(-1).tolist(), batch["response_mask"].sum(-1).tolist()
     rows = [batch["input_ids"][b][mask[b]] for b in range(len(lengths))]  # (n_b,) prompt + response each
-    # a kept prefix needs the key/value cache, which gradient checkpointing drops; the second pass must hold
-    # the last prompt token (its logits predict the first response token)
-    share = "prefix_len" in batch and not getattr(model, "is_gradient_checkpointing", False)
+    # the second pass must hold the last prompt token (its logits predict the first response token)
+    share = "prefix_len" in batch
     cut = [c if 0 < c < n - t else 0 for c, n, t in
            zip(batch["prefix_len"].tolist() if share else [0] * len(rows), lengths, response)]
     prefix = [tuple(row[:c].tolist()) for row, c in zip(rows, cut)]  # () where a row is not cut
@@ -57,9 +57,11 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
             # row b's logits predicting its response (and the token after it) sit at first[b] .. end[b] - 1
             first = {b: lengths[b] - c - response[b] - 1 for b in run}
             keep = sorted({p for b in run for p in range(first[b], first[b] + response[b] + 1)})
-            past = caches.rows([prefix[b] for b in run]) if c else None
-            out = model(input_ids=ids, past_key_values=past, use_cache=past is not None,
-                        logits_to_keep=torch.tensor(keep)).logits  # (m, len(keep), V)
+            # the prefix lent, not grown: a checkpointed layer's recompute sees the keys and values it first saw
+            past = caches.rows([prefix[b] for b in run], grow=False) if c else None
+            with caches_through_checkpoints(model):
+                out = model(input_ids=ids, past_key_values=past, use_cache=False,
+                            logits_to_keep=torch.tensor(keep)).logits  # (m, len(keep), V)
             if staged:  # the loss's graph ends at a leaf; `EMPO2Module.backward_passes` carries its gradient on
                 leaf = out.detach().requires_grad_()
                 passes.append((out, leaf))

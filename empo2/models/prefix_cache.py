@@ -3,23 +3,68 @@
 Rows of one micro-batch or one generation chunk often begin with the same tokens (a group's system prompt and
 task text, its common first turns). The CPU update (`empo2.lit.packing`) and the HF engine's
 prefill (`HFEngine._prefill`) run each distinct prefix once, then the rest of every row with the prefix's
-cache as its past: the same numbers to float32 rounding, for fewer positions.
+cache as its past: the same numbers to float32 rounding, for fewer positions. Under gradient checkpointing too:
+the caches here give a layer's recompute in the backward pass the keys and values its first run saw, and store
+nothing more (`caches_through_checkpoints`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+class _Recorded(DynamicLayer):
+    """Keeps the keys and values of its layer's first call and hands every call's back unchanged: a checkpointed
+    layer's recompute in the backward pass stores nothing twice."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _Extended(DynamicLayer):
+    """A prefix's keys and values, followed by each call's own, which it does not keep: every call, a checkpointed
+    layer's recompute included, sees the prefix alone as its past."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@contextmanager
+def caches_through_checkpoints(model) -> Iterator[None]:
+    """Lets `model`'s checkpointed decoder layers (gradient checkpointing, in training) use the cache passed to
+    them, which transformers otherwise drops, as a recompute would store into a growing cache a second time. Only
+    for the caches here, which store nothing on a recompute. The layer keeps its arguments for the recompute, so
+    the backward pass needs nothing of this."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
 
 
 class PrefixCaches:
     """One decoder pass per prefix length over the distinct `prefixes` (token tuples; empty ones are skipped),
     keeping every layer's keys and values, (k, heads, length, head dim), with their autograd graph when
-    gradients are on. `ok` is False when the model's cache layers hold more than keys and values (sliding
-    window, ...): then no prefix can be shared."""
+    gradients are on, also through checkpointed layers. `ok` is False when the model's cache layers hold more
+    than keys and values (sliding window, ...), or its checkpointed layers would drop a cache (a transformers
+    without `_can_checkpoint_with_cache`): then no prefix can be shared."""
 
     def __init__(self, decoder, prefixes: list[tuple[int, ...]], device: torch.device):
         by_length: dict[int, dict[tuple[int, ...], int]] = {}
@@ -27,24 +72,37 @@ class PrefixCaches:
             if p:
                 slots = by_length.setdefault(len(p), {})
                 slots.setdefault(p, len(slots))
-        self.ok = True
+        plain = DynamicCache(config=decoder.config).layers  # the layers the model's own cache would have
+        checkpointed = any(m.gradient_checkpointing and m.training for m in decoder.modules()
+                           if isinstance(m, GradientCheckpointingLayer))
+        self.ok = all(type(layer) is DynamicLayer for layer in plain) and (
+            not checkpointed or hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"))
         self._layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._slots: dict[tuple[int, ...], int] = {}
+        if not self.ok:
+            return
         for length, slots in by_length.items():
             ids = torch.tensor(list(slots), device=device)  # (k, length): unpadded, positions from 0
-            cache = decoder(input_ids=ids, use_cache=True).past_key_values
-            if any(type(layer) is not DynamicLayer for layer in cache.layers):
-                self.ok = False
-                return
+            cache = DynamicCache()
+            cache.layers = [_Recorded() for _ in plain]
+            with caches_through_checkpoints(decoder):
+                # the cache is at hand: `use_cache` would only return it (and is refused under checkpointing)
+                decoder(input_ids=ids, past_key_values=cache, use_cache=False)
             self._layers[length] = [(layer.keys, layer.values) for layer in cache.layers]
             self._slots.update(slots)
 
-    def rows(self, prefixes: list[tuple[int, ...]]) -> DynamicCache:
-        """A cache with one row per entry of `prefixes` (all of one length; a prefix may repeat)."""
+    def rows(self, prefixes: list[tuple[int, ...]], grow: bool = True) -> DynamicCache:
+        """A cache with one row per entry of `prefixes` (all of one length; a prefix may repeat). It keeps what a
+        pass adds (`grow`, to read the whole prompt's cache back) or, without `grow`, only lends the prefix to
+        every call: what a checkpointed pass needs (`caches_through_checkpoints`)."""
         at = torch.tensor([self._slots[p] for p in prefixes])
         cache = DynamicCache()
         for i, (k, v) in enumerate(self._layers[len(prefixes[0])]):
-            cache.update(k.index_select(0, at.to(k.device)), v.index_select(0, at.to(v.device)), i)
+            k, v = k.index_select(0, at.to(k.device)), v.index_select(0, at.to(v.device))
+            if grow:
+                cache.update(k, v, i)
+            else:
+                cache.layers.append(_Extended(k, v))
         return cache
 
 
