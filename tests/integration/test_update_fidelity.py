@@ -686,3 +686,25 @@ def test_a_bfloat16_update_logs_the_gap_every_iteration_and_a_float32_one_has_no
     out = capsys.readouterr().out
     assert "sampler/trainer gap |log pi_old - log pi_engine| per token: mean" in out
     assert "sampler/trainer gap: 0 by construction" in out
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full_attention", "sliding_window"])
+def test_prefixes_are_shared_only_where_a_cache_layer_is_plain_keys_and_values(sliding):
+    """A sliding-window layer's cache keeps more than keys and values: no prefix is shared there, with or without
+    gradient checkpointing; full attention shares, each layer a row per row asked for."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from empo2.models.prefix_cache import PrefixCaches
+
+    config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=sliding, sliding_window=8,
+                         max_window_layers=0)
+    model = Qwen2ForCausalLM(config).train()
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        caches = PrefixCaches(model.get_decoder(), [(1, 2, 3), (4, 5, 6), (1, 2, 3)], torch.device("cpu"))
+        assert caches.ok is not sliding
+        if not sliding:
+            past = caches.rows([(4, 5, 6), (1, 2, 3), (4, 5, 6)], grow=False)
+            assert past.get_seq_length() == 3 and [layer.keys.shape[0] for layer in past.layers] == [3, 3]
