@@ -48,7 +48,9 @@ def caches_through_checkpoints(model) -> Iterator[None]:
     """Lets `model`'s checkpointed decoder layers (gradient checkpointing, in training) use the cache passed to
     them, which transformers otherwise drops, as a recompute would store into a growing cache a second time. Only
     for the caches here, which store nothing on a recompute. The layer keeps its arguments for the recompute, so
-    the backward pass needs nothing of this."""
+    the backward pass needs nothing of this. Non-reentrant checkpointing only (what `empo2.workflows.train`
+    enables): a reentrant one runs the forward without a graph, and the prefix's keys and values would pass no
+    gradient back."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
