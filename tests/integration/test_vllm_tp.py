@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from empo2.config import ConfigError, load_config
 from empo2.rollout.engines import SamplingParams, VLLMEngine
@@ -103,12 +104,15 @@ def test_each_engine_names_its_shared_memory_and_unlinks_it_once_mapped(monkeypa
     os.close(fd)
     segment[0] = 7
     shm = SimpleNamespace(device_communicator=SimpleNamespace(dist_module=SimpleNamespace(group_name=first)),
-                          rank_in_group=1)
+                          rank_in_group=1, cpu_group="the group's gloo group")
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: shm)
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(device_communicator=None))
+    waited = []  # the engine stands only once every rank of the group has unlinked its name
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group: waited.append((group, path.exists())))
     try:
         engine_module._unlink_shm()
         assert not path.exists() and segment[0] == 7
+        assert waited == [("the group's gloo group", False)]
     finally:
         segment.close()
         path.unlink(missing_ok=True)
