@@ -70,7 +70,7 @@ DEMO_EXTRA = {"demo": [], "demo_vllm": ["engine=vllm"], "demo_gc": ["trainer.gra
 SCIENCEWORLD = ["env=scienceworld", "trainer.iterations=1", "rollout.tasks_per_batch=1", "rollout.group_size=2",
                 "env.val_variations=1"]
 COMMANDS = {"scienceworld": SCIENCEWORLD,
-            "scienceworld_quick": ["env=scienceworld", "env.tasks=[find-living-thing]", *SCIENCEWORLD[1:]]}
+            "scienceworld_quick": ["env=scienceworld", "env.tasks=[lifespan-longest-lived]", *SCIENCEWORLD[1:]]}
 TARGET_S = {"scienceworld": 300, "scienceworld_quick": 120}  # closing report within 5 and 2 minutes
 
 
