@@ -252,10 +252,12 @@ class EMPO2Module(L.LightningModule):
     @staticmethod
     def backward_passes(passes: list | None) -> None:
         """After the loss's backward has reached the leaves `packed_response_logits` put in place of each pass's
-        logits: each pass's own backward, one after another, so its parameter gradients add into `.grad`."""
+        outputs: each pass's own backward, last appended first, so its parameter gradients add into `.grad`."""
         while passes:
-            logits, leaf = passes.pop()
-            logits.backward(leaf.grad)
+            outputs, leaves = passes.pop()
+            reached = [(out, leaf.grad) for out, leaf in zip(outputs, leaves) if leaf.grad is not None]
+            if reached:
+                torch.autograd.backward(*zip(*reached))
 
     def _step(self) -> None:
         opt = self.optimizers()

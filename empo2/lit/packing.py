@@ -24,12 +24,12 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
     A row's numbers depend on what it is batched with only at float32 rounding. On a GPU one padded pass is
     cheaper.
 
-    With `passes` (a list) and no prefix shared between passes, each pass's logits leave the graph: the
-    returned logits are built from leaves, and (pass logits, leaf) pairs are appended for
-    `EMPO2Module.backward_passes`.
+    With `passes` (a list), each pass's logits leave the graph: the returned logits are built from leaves, and
+    (outputs, leaves) pairs are appended for `EMPO2Module.backward_passes`: each pass's logits, and first, where
+    prefixes are shared under gradient checkpointing, the prefixes' keys and values (`PrefixCaches.detach`).
     In one backward through several passes the autograd engine holds each parameter's gradient until the
     last pass using it is done, a second full set of gradients (docs/performance.md); pass by pass, each
-    reaches `.grad` at once. Shared prefixes tie the passes together, so with them the graph stays whole."""
+    reaches `.grad` at once. Without checkpointing shared prefixes keep the graph whole."""
     T = batch["response_ids"].shape[1]
     mask = batch["attention_mask"].bool()  # (B, P+T): a row's real tokens are contiguous
     lengths, response = mask.sum(-1).tolist(), batch["response_mask"].sum(-1).tolist()
@@ -42,7 +42,13 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
     caches = PrefixCaches(model.get_decoder(), prefix, rows[0].device)
     if not caches.ok:  # layers whose cache is not plain keys and values (sliding window, ...)
         cut = [0] * len(rows)
-    staged = passes is not None and not any(cut)
+    # Pass by pass with shared prefixes too where the run trades time for memory (gradient checkpointing): the
+    # prefixes' keys and values become leaves that every pass adds its gradient into, and the prefix passes run
+    # their own backward last. Without checkpointing shared prefixes keep one graph (recorded runs' numbers hold
+    # to the digit; the order in which gradients add up would change them at float32 rounding).
+    staged = passes is not None and (not any(cut) or getattr(model, "is_gradient_checkpointing", False))
+    if staged and any(cut):
+        passes.append(caches.detach())  # popped last: its backward needs every pass's gradient first
     groups: dict[int, list[int]] = {}  # cut -> rows, each group cut into passes by length
     for b, c in enumerate(cut):
         groups.setdefault(c, []).append(b)
@@ -64,7 +70,7 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], passes: list |
                             logits_to_keep=torch.tensor(keep)).logits  # (m, len(keep), V)
             if staged:  # the loss's graph ends at a leaf; `EMPO2Module.backward_passes` carries its gradient on
                 leaf = out.detach().requires_grad_()
-                passes.append((out, leaf))
+                passes.append(((out,), (leaf,)))
                 out = leaf
             at = {p: k for k, p in enumerate(keep)}
             for j, b in enumerate(run):

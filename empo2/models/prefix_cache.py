@@ -93,6 +93,25 @@ class PrefixCaches:
             self._layers[length] = [(layer.keys, layer.values) for layer in cache.layers]
             self._slots.update(slots)
 
+    def detach(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Puts leaves in place of the kept keys and values that carry a graph, so the passes that attend to them
+        end their graphs there; returns (those keys and values, their leaves): the prefix passes' own backward,
+        once the leaves hold every pass's gradient (`EMPO2Module.backward_passes`)."""
+        ends, leaves = [], []
+        for length, layers in self._layers.items():
+            kept = []
+            for pair in layers:
+                pair_leaves = []
+                for t in pair:
+                    leaf = t.detach().requires_grad_(t.requires_grad)
+                    if t.requires_grad:
+                        ends.append(t)
+                        leaves.append(leaf)
+                    pair_leaves.append(leaf)
+                kept.append(tuple(pair_leaves))
+            self._layers[length] = kept
+        return tuple(ends), tuple(leaves)
+
     def rows(self, prefixes: list[tuple[int, ...]], grow: bool = True) -> DynamicCache:
         """A cache with one row per entry of `prefixes` (all of one length; a prefix may repeat). It keeps what a
         pass adds (`grow`, to read the whole prompt's cache back) or, without `grow`, only lends the prefix to

@@ -376,11 +376,39 @@ def test_a_shared_prefix_runs_once_under_gradient_checkpointing_too(lora):
             torch.testing.assert_close(g, other[1][n], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_under_gradient_checkpointing_shared_prefixes_backpropagate_pass_by_pass(lora):
+    """Where checkpointing trades time for memory, a shared prefix no longer keeps the graph whole: each pass
+    backpropagates on its own into leaves in place of the prefixes' keys and values, the prefix passes last, and
+    every trained parameter gets the gradient of the whole graph to float32 rounding."""
+    model, tok = load_policy(ModelConfig(name="tiny", lora_r=4 if lora else 0, lora_dropout=0.0))
+    cfg = load_config(["model=tiny"])
+    samples = _shared_prefix_samples(model.config.vocab_size)
+    grads, stages = {}, []
+    for staged in (False, True):
+        policy = copy.deepcopy(model).train()
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module = EMPO2Module(policy, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples))
+        batch = collate(samples, module.pad_id)
+        passes = [] if staged else None
+        (module.response_logprobs(batch, passes=passes) * batch["response_mask"]).sum().backward()
+        if staged:
+            stages = list(passes)
+            module.backward_passes(passes)
+            assert not passes
+        grads[staged] = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    prefix_ends, prefix_leaves = stages[0]  # appended first, run last
+    assert len(stages) >= 3 and len(prefix_ends) == len(prefix_leaves) > 0
+    assert all(len(outputs) == 1 for outputs, _ in stages[1:])  # then one stage per pass: its logits
+    for name, whole in grads[False].items():
+        torch.testing.assert_close(grads[True][name], whole, rtol=1e-4, atol=1e-6)
+
+
 def test_passes_backpropagated_one_by_one_hand_each_gradient_to_grad_and_change_nothing(policy):
     """Rows hundreds of tokens apart run in separate passes. Backpropagated as one graph, each parameter's
     gradient waits in the autograd engine until the last pass that used it is done (a second full set of
     gradients beside `.grad`); pass by pass (`backward_passes`) it reaches `.grad` after every pass. The
-    gradient is the same to float32 rounding, and a shared prefix keeps the graph whole."""
+    gradient is the same to float32 rounding, and without checkpointing a shared prefix keeps the graph whole."""
     model, tok = policy
     cfg = load_config(["model=tiny", "algo.kl_coef=0"])
     g = torch.Generator().manual_seed(2)
@@ -410,7 +438,7 @@ def test_passes_backpropagated_one_by_one_hand_each_gradient_to_grad_and_change_
             assert not passes  # all run
             grads.append([p.grad.clone() for p in model.parameters()])
             counts.append((n_passes, set(accumulated.values())))
-        # a shared prefix ties the passes together: nothing is cut from the graph
+        # without checkpointing a shared prefix ties the passes together: nothing is cut from the graph
         shared = [dataclasses.replace(s, prefix_len=6) for s in samples]
         module.buffer = RolloutBuffer(shared)
         module.buffer.old_logprobs = module.old_logprobs(shared, 4)
