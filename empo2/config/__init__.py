@@ -56,8 +56,9 @@ class ModelConfig:
                     choices=tuple(PRESETS))
     path: str | None = opt(None, "Local checkpoint directory for `hf` presets (loaded offline, never downloaded).",
                            nullable=True)
-    dtype: str = opt("float32", "The dtype the weights are read in, and kept in where they do not train: the KL "
-                     "reference copy, a LoRA base, `empo2 eval`'s policy. The weights that train are float32 master "
+    dtype: str = opt("float32", "The dtype the weights are read in, and kept in where they do not train: a LoRA "
+                     "base, `empo2 eval`'s policy (the KL reference computes in float32 like the policy, so the KL "
+                     "starts at exactly 0). The weights that train are float32 master "
                      "weights whatever this says, with float32 AdamW state (`trainer.precision` sets the compute "
                      "dtype): checkpoints hold both in float32, 12 bytes per trained parameter (7B: 28 GB of weights "
                      "+ 56 GB of AdamW state), and a checkpoint of any dtype resumes into float32. bfloat16 halves "

