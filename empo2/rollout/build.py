@@ -98,22 +98,27 @@ def records_engine_logprobs(cfg: TrainConfig) -> bool:
     return cfg.engine.name == "vllm" or cfg.rollout.top_p == 1 or generation_logprobs_exact(cfg)
 
 
+def tip_block_tokens(cfg: TrainConfig) -> int:
+    """The most tokens the tip block of an action prompt may take: at most `top_k` tips, each at most
+    `tip_max_new_tokens` as the policy wrote it (a per-step entry adds the step's action, at most `max_new_tokens`),
+    with `TIP_LINE_TOKENS` of markup each and `TIP_HEADER_TOKENS` once. Text re-encoded can take more tokens than
+    were generated (and a corrected action more than `max_new_tokens`), so the worker keeps only the leading tips
+    whose block fits (`PromptBuilder.tips_that_fit`): the bound holds by construction, not by assumption."""
+    r, m = cfg.rollout, cfg.memory
+    per_tip = r.tip_max_new_tokens + TIP_LINE_TOKENS + (r.max_new_tokens if m.per_step_entries else 0)
+    return TIP_HEADER_TOKENS + m.top_k * per_tip
+
+
 def max_request_tokens(cfg: TrainConfig) -> int | None:
     """The largest request (prompt + response tokens) a rollout can make, or None where prompts are unbounded
     (`rollout.overlong=drop` prompts with whole histories; `rollout.tips_in_history` keeps tip blocks on top of the
     budget in every past turn). An action prompt is at most `max_prompt_tokens` without its tip block (the
-    `PromptBuilder` budget), plus the block: at most `top_k` tips, each at most `tip_max_new_tokens` as the policy
-    wrote it (a per-step entry adds the step's action, at most `max_new_tokens`), with `TIP_LINE_TOKENS` of markup
-    each and `TIP_HEADER_TOKENS` once; then `max_new_tokens`. The tip request is at most its own budget (tip-free),
-    then `tip_max_new_tokens`."""
-    r, m = cfg.rollout, cfg.memory
+    `PromptBuilder` budget), plus the block (`tip_block_tokens`), then `max_new_tokens`. The tip request is at most
+    its own budget (tip-free), then `tip_max_new_tokens`."""
+    r = cfg.rollout
     if r.overlong == "drop" or r.tips_in_history:
         return None
-    tips = 0
-    if m.enabled:
-        per_tip = r.tip_max_new_tokens + TIP_LINE_TOKENS + (r.max_new_tokens if m.per_step_entries else 0)
-        tips = TIP_HEADER_TOKENS + m.top_k * per_tip
-    action = r.max_prompt_tokens + tips + r.max_new_tokens
+    action = r.max_prompt_tokens + (tip_block_tokens(cfg) if cfg.memory.enabled else 0) + r.max_new_tokens
     request = (r.max_tip_request_tokens or r.max_prompt_tokens) + r.tip_max_new_tokens
     return max(action, request)
 

@@ -151,6 +151,13 @@ class PromptBuilder:
         return self._assemble(task_description, history, [final_observation, request], None, history_tips,
                               all_turns=True).ids
 
+    def tips_that_fit(self, tips: list[str], max_tokens: int | None) -> int:
+        """How many of the leading `tips` an action prompt's tip block holds within `max_tokens` (None: all)."""
+        n = len(tips)
+        while n and max_tokens is not None and len(self._tip_piece(tips[:n])[0][1]) > max_tokens:
+            n -= 1
+        return n
+
     # -------------------------------------------------------------------------------------- assembling
     def _tip_piece(self, tips: list[str] | None, request: bool = False) -> list[_Piece]:
         if not tips:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from empo2.algo import core_algos
 from empo2.config import TrainConfig
-from empo2.rollout.build import generation_logprobs_exact, records_engine_logprobs
+from empo2.rollout.build import generation_logprobs_exact, records_engine_logprobs, tip_block_tokens
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class CollectionSpec:
     # retrieval
     top_k: int = 10
     min_sim: float = 0.5
+    # the most tokens an action prompt's tip block may take (`empo2.rollout.build.tip_block_tokens`: what vLLM's
+    # default max_model_len allows for); a step keeps the leading retrieved tips whose block fits, None keeps all
+    max_tip_block_tokens: int | None = None
     key_text: str = "state"  # memory key / query text: "state" (task + observation) or "history" (whole chat)
     tips_in_history: bool = False  # past turns keep the tip blocks their prompts carried (released code)
     # tip writing
@@ -73,8 +76,8 @@ def collection_spec(cfg: TrainConfig, **changes) -> CollectionSpec:
         p=a.p, q=a.q, mode_granularity=a.mode_granularity, beta=a.beta_start, intrinsic=a.intrinsic,
         intrinsic_in_advantage=a.intrinsic_in_advantage, normalize_std=a.normalize_std, adv_eps=a.adv_eps,
         temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, top_k=m.top_k, min_sim=m.min_sim,
-        key_text=m.key_text, tips_in_history=r.tips_in_history, max_tip_words=m.max_tip_words,
-        tip_max_new_tokens=r.tip_max_new_tokens, tip_temperature=r.tip_temperature,
+        max_tip_block_tokens=tip_block_tokens(cfg), key_text=m.key_text, tips_in_history=r.tips_in_history,
+        max_tip_words=m.max_tip_words, tip_max_new_tokens=r.tip_max_new_tokens, tip_temperature=r.tip_temperature,
         per_step_entries=m.per_step_entries, step_entry_key=m.step_entry_key, tip_format=m.tip_format,
         drop_over_tokens=r.max_prompt_tokens if r.overlong == "drop" else None,
         record_logprobs=records_engine_logprobs(cfg), exact_logprobs=generation_logprobs_exact(cfg))

@@ -153,7 +153,8 @@ class RolloutWorker:
     def _retrieve(self, spec: CollectionSpec, play: Episodes, t: int) -> dict[int, list[tuple[int, str]]]:
         """Retr(state; M): one batched embedding and search for the rollouts in memory mode at step `t`; (memory
         id, text) of the tips each finds. A rollout whose namespace holds no tip yet has nothing to find: no
-        embedding is spent on it."""
+        embedding is spent on it. Only the leading tips whose block fits `spec.max_tip_block_tokens` are kept (tips
+        written longer than their budget, re-encoded, could otherwise take a request past vLLM's max_model_len)."""
         tips: dict[int, list[tuple[int, str]]] = {}
         trajs = play.trajs
         slots = {i: self.memory.namespace_key(trajs[i].task, trajs[i].variation)
@@ -165,7 +166,9 @@ class RolloutWorker:
                                             for i in mem_live])
             hits = self.memory.search(queries, [slots[i] for i in mem_live], k=spec.top_k, min_sim=spec.min_sim)
             for i, found in zip(mem_live, hits):
-                tips[i] = [(rec.id, rec.text) for rec, _ in found]
+                texts = [rec.text for rec, _ in found]
+                kept = self.builder.tips_that_fit(texts, spec.max_tip_block_tokens)
+                tips[i] = [(rec.id, rec.text) for rec, _ in found[:kept]]
             play.timing["memory"] += time.perf_counter() - t0
         return tips
 

@@ -1,9 +1,10 @@
 """Float32 master weights: whatever dtype the weights are read in (`model.dtype`), the parameters that train and
 AdamW's state are float32 after a step and after resuming a checkpoint written with bfloat16 weights and state, on
 one process and under `trainer=fsdp` on two gloo processes (where they are DTensor shards); a LoRA base keeps the
-load dtype, LoRA adapters are float32 and the KL reference computes in float32 like the policy; `empo2 eval` plays in the load dtype;
-bfloat16 compute on float32 masters gives a float32 run's gradient to bfloat16 tolerance; and the bfloat16
-configuration at lr 1e-6 moves nearly every weight in one step (with bfloat16 weights, 2.3% moved)."""
+load dtype, LoRA adapters are float32 and the KL reference computes in float32 like the policy; `empo2 eval`
+plays in the load dtype; bfloat16 compute on float32 masters gives a float32 run's gradient to bfloat16
+tolerance; and the bfloat16 configuration at lr 1e-6 moves nearly every weight in one step (with bfloat16
+weights, 2.3% moved)."""
 
 import copy
 import json

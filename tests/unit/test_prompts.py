@@ -381,3 +381,58 @@ def test_a_budget_too_small_for_the_template_names_its_setting(tok):
         PromptBuilder(tok, max_request_tokens=5).build_tip_request(TASK, history(1), "The end.")
     with pytest.raises(ValueError, match=r"^max_prompt_tokens=5 cannot hold even the system prompt"):
         PromptBuilder(tok, max_prompt_tokens=5).build(TASK, history(1), "The end.")
+
+
+@pytest.mark.parametrize("per_step_entries", [False, True])
+@pytest.mark.parametrize("tokenizer", ["tiny", "minisci_tips_signed"])
+def test_the_largest_request_bound_holds_for_prompts_at_their_budget_with_the_longest_tips(per_step_entries,
+                                                                                          tokenizer, tok):
+    """vLLM's default `max_model_len` is `max_request_tokens(cfg)`: no prompt the builder makes, with the retrieved
+    tips the worker keeps (`tips_that_fit` within `tip_block_tokens`) out of `top_k` written with the most tokens
+    the policy may write (random token ids, decoded and sanitised as the worker stores them; in a per-step entry
+    beside an action of `max_new_tokens` random ids), may exceed it with its response. Re-encoded, such text takes
+    more tokens than were generated, so some tips must be left out (with per-step entries unfiltered blocks
+    overflow the bound); natural tips never are."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from empo2.config import load_config
+    from empo2.memory import sanitize_tip
+    from empo2.memory.tips import step_entry_text
+    from empo2.models.io import SHIPPED
+    from empo2.rollout.build import max_request_tokens, tip_block_tokens
+
+    if tokenizer != "tiny":
+        tok = AutoTokenizer.from_pretrained(SHIPPED / tokenizer)
+    cfg = load_config(["rollout.max_prompt_tokens=400", "rollout.max_new_tokens=24", "rollout.tip_max_new_tokens=48",
+                       "memory.top_k=4", f"memory.per_step_entries={str(per_step_entries).lower()}",
+                       "rollout.max_tip_request_tokens=600"])
+    r, block = cfg.rollout, tip_block_tokens(cfg)
+    bound = max_request_tokens(cfg)
+    rng = random.Random(0)
+    ids = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
+
+    def written(n):  # what the policy may write in n tokens
+        return tok.decode(rng.choices(ids, k=n), skip_special_tokens=True)
+
+    builder = PromptBuilder(tok, max_prompt_tokens=r.max_prompt_tokens, max_request_tokens=r.max_tip_request_tokens)
+    natural = [step_entry_text(t, "go to outside", 100.0) if per_step_entries else t for t in TIPS * 2]
+    assert builder.tips_that_fit(natural, block) == 4
+    longest, left_out = 0, 0
+    for trial in range(20):
+        tips = []
+        while len(tips) < cfg.memory.top_k:
+            tip = sanitize_tip(written(r.tip_max_new_tokens), cfg.memory.max_tip_words, tok.all_special_tokens)
+            if tip is not None:
+                tips.append(step_entry_text(tip, written(r.max_new_tokens), -87.5) if per_step_entries else tip)
+        kept = builder.tips_that_fit(tips, block)
+        left_out += len(tips) - kept
+        turns = [(written(60), written(r.max_new_tokens)) for _ in range(12)]  # more than the budget holds
+        prompt = builder.build(written(40), turns, written(60), tips=tips[:kept] or None)
+        request = builder.build_tip_request(written(40), turns, written(60), cfg.memory.max_tip_words)
+        longest = max(longest, len(prompt.ids) + r.max_new_tokens)
+        assert len(prompt.ids) + r.max_new_tokens <= bound, trial
+        assert len(request) + r.tip_max_new_tokens <= bound, trial
+    assert longest > r.max_prompt_tokens + r.max_new_tokens + 100  # prompts at their budget, with tips
+    assert left_out > 0 or not per_step_entries  # where the bound would fail without the filter
