@@ -550,11 +550,25 @@ def logprob_gap(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor) -> di
     Returns:
         ``{"mean": ..., "max": ..., "kl": ...}``; all 0.0 for no token.
     """
+    return logprob_gap_of_totals(logprob_gap_totals(old_logprobs, engine_logprobs))
+
+
+def logprob_gap_totals(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor) -> torch.Tensor:
+    """What `logprob_gap` is made of, in a form data-parallel ranks combine: float64 ``(tokens, sum |d|, sum
+    (exp(d) - 1 - d), max |d|)``; ranks sum the first three and take the largest of the last, and
+    `logprob_gap_of_totals` of the combined totals is the gap of all their tokens together."""
     _check_same_shape(old_logprobs=old_logprobs, engine_logprobs=engine_logprobs)
-    if old_logprobs.numel() == 0:
-        return {"mean": 0.0, "max": 0.0, "kl": 0.0}
     d = (old_logprobs.double() - engine_logprobs.double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return {"mean": float(d.abs().mean()), "max": float(d.abs().max()), "kl": float((torch.expm1(d) - d).mean())}
+    biggest = d.abs().max() if d.numel() else d.new_zeros(())
+    return torch.stack([d.new_tensor(float(d.numel())), d.abs().sum(), (torch.expm1(d) - d).sum(), biggest])
+
+
+def logprob_gap_of_totals(totals: torch.Tensor) -> dict[str, float]:
+    """`logprob_gap` from its (possibly combined) `logprob_gap_totals`; all 0.0 for no token."""
+    tokens, abs_sum, kl_sum, biggest = (float(x) for x in totals)
+    if tokens == 0:
+        return {"mean": 0.0, "max": 0.0, "kl": 0.0}
+    return {"mean": abs_sum / tokens, "max": biggest, "kl": kl_sum / tokens}
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:

@@ -157,7 +157,7 @@ class RolloutCallback(L.Callback):
         stats.update(self.times.add(generate=batch.stats["time/generate_s"], env=batch.stats["time/env_s"],
                                     tips_retrieval=batch.stats["time/tips_s"] + batch.stats["time/memory_s"]))
         self._startup = {}
-        stats.update(pl_module.logprob_gap(batch.samples, old))  # this rank's samples
+        stats.update(pl_module.logprob_gap(batch.samples, old))  # every rank's samples
         if self.visits is not None:  # the estimate over the run so far: its last value is the run's
             self.visits += [(f"{tr.task}#{tr.variation}", it, tr.score, tr.carried_tips) for tr in batch.trajectories]
             gain, instances = first_visit_gain(*zip(*self.visits))

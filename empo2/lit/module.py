@@ -112,17 +112,23 @@ class EMPO2Module(L.LightningModule):
         with self.policy.disable_adapter():
             return self.response_logprobs(batch)
 
-    @staticmethod
-    def logprob_gap(samples: list[StepSample], old: list[torch.Tensor]) -> dict[str, float]:
+    def logprob_gap(self, samples: list[StepSample], old: list[torch.Tensor]) -> dict[str, float]:
         """`rollout/logprob_gap_{mean,max,kl}`: the engine's log-probs against the scoring pass's old log-probs
-        (`core_algos.logprob_gap`) over the samples that have both; {} where none has (no engine log-probs
-        recorded, or they were the old log-probs: the gap is then 0 by construction)."""
+        (`core_algos.logprob_gap`) over the samples that have both, those of every data-parallel rank (an
+        all-reduce every rank must join); {} where none has (no engine log-probs recorded, or they
+        were the old log-probs: the gap is then 0 by construction)."""
         pairs = [(o, torch.tensor(s.engine_logprobs, dtype=torch.float32)) for s, o in zip(samples, old)
                  if s.engine_logprobs is not None and s.behaviour_logprobs is None]
-        if not pairs:
+        totals = core_algos.logprob_gap_totals(torch.cat([o for o, _ in pairs]) if pairs else torch.zeros(0),
+                                               torch.cat([e for _, e in pairs]) if pairs else torch.zeros(0))
+        if self.trainer.world_size > 1:
+            sums, biggest = totals[:3].to(self.device), totals[3:].to(self.device)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(biggest, op=dist.ReduceOp.MAX)
+            totals = torch.cat([sums, biggest]).cpu()
+        if totals[0] == 0:
             return {}
-        gap = core_algos.logprob_gap(torch.cat([o for o, _ in pairs]), torch.cat([e for _, e in pairs]))
-        return {f"rollout/logprob_gap_{k}": v for k, v in gap.items()}
+        return {f"rollout/logprob_gap_{k}": v for k, v in core_algos.logprob_gap_of_totals(totals).items()}
 
     def old_logprobs(self, samples: list[StepSample], micro_batch_size: int) -> list[torch.Tensor]:
         """Behaviour log-probs with the current weights, before any update of this iteration, (T_i,) float32

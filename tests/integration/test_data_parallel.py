@@ -11,6 +11,7 @@ would hide a wrong weighting (Adam's first step is nearly the gradient's sign).
 """
 
 import copy
+import dataclasses
 import os
 from datetime import timedelta
 from functools import partial
@@ -101,6 +102,11 @@ class FixedRollouts(L.Callback):
         self.datamodule.set_rollouts(self.samples, self.old, 0, self.rank, 2)
 
 
+def _engine(old: list[torch.Tensor], i: int) -> list[float]:
+    """Sample i's log-probs as an engine gave them: the old ones off by a sample-dependent amount."""
+    return (old[i] - 0.01 * (i + 1) * torch.arange(len(old[i]))).tolist()
+
+
 def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor], delta: float, out_dir: Path) -> None:
     """One of two ranks: a one-iteration fit per loss aggregation on this rank's share of the samples."""
     # as torchrun starts a process: Lightning joins the two processes instead of launching its own
@@ -130,6 +136,9 @@ def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor],
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False)
         trainer.fit(module, datamodule=datamodule)
+        if agg == core_algos.AGG_MODES[0]:  # the sampler/trainer gap each rank logs: that of the union's tokens
+            out["gap"] = module.logprob_gap([dataclasses.replace(samples[i], engine_logprobs=_engine(old, i))
+                                             for i in mine], [old[i] for i in mine])
         # both ranks hold the same weights and gradients: rank 0 sends them
         out[agg] = [s if rank == 0 else {"indices": s["indices"], "metrics": s["metrics"]} for s in recorder.steps]
     # a file, not the queue: a queued tensor is a handle into this process's memory, gone when it exits, and a
@@ -184,6 +193,9 @@ def test_two_uneven_ranks_compute_the_gradient_and_metrics_of_their_union(strate
     assert tokens[0] >= 3 * tokens[1]
     assert spawn_ranks(partial(_rank, strategy=strategy, old=old, delta=delta, out_dir=tmp_path), timeout=600) == [0, 1]
     steps0, steps1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1))
+    union = core_algos.logprob_gap(torch.cat(old), torch.cat([torch.tensor(_engine(old, i)) for i in range(len(old))]))
+    assert steps0["gap"] == steps1["gap"]
+    assert steps0["gap"] == {f"rollout/logprob_gap_{k}": pytest.approx(v, rel=1e-9) for k, v in union.items()}
     for agg in core_algos.AGG_MODES:
         assert len(steps0[agg]) == len(steps1[agg]) == 3  # mini-batches of 2 over rank 0's five samples
         assert [] in [s["indices"] for s in steps1[agg]]  # a step in which rank 1 has no sample

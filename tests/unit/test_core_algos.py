@@ -799,3 +799,16 @@ def test_logprob_gap_by_hand():
     assert gap["kl"] == pytest.approx((0.1487212707 + 0.0187307531) / 4, rel=1e-6)  # inputs in float32
     assert ca.logprob_gap(old, old) == {"mean": 0.0, "max": 0.0, "kl": 0.0}
     assert ca.logprob_gap(torch.zeros(0), torch.zeros(0)) == {"mean": 0.0, "max": 0.0, "kl": 0.0}
+
+
+def test_logprob_gap_totals_combined_over_ranks_give_the_gap_of_all_their_tokens():
+    """Data-parallel ranks sum the totals (the largest |d| by max): the gap of the union, a rank with no token
+    included, whatever the split."""
+    g = torch.Generator().manual_seed(0)
+    old, engine = -torch.rand(50, generator=g) * 3, -torch.rand(50, generator=g) * 3
+    for cuts in ([0, 50], [0, 5, 50], [0, 0, 37, 50], [0, 10, 20, 30, 50]):
+        parts = [ca.logprob_gap_totals(old[a:b], engine[a:b]) for a, b in zip(cuts, cuts[1:])]
+        combined = torch.cat([sum(p[:3] for p in parts), torch.stack([p[3] for p in parts]).max().reshape(1)])
+        whole = ca.logprob_gap(old, engine)
+        assert ca.logprob_gap_of_totals(combined) == pytest.approx(whole, rel=1e-12)
+    assert ca.logprob_gap_totals(torch.zeros(0), torch.zeros(0)).tolist() == [0.0, 0.0, 0.0, 0.0]
