@@ -202,7 +202,7 @@ def load_local(path: Path, dtype: torch.dtype):
     return model, tok
 
 
-# The priors the recipe builds on the user's machine rather than shipping (8 and 51 min on 2 cores, docs/priors.md),
+# The priors the recipe builds on the user's machine rather than shipping (their build times: docs/performance.md),
 # each by the cache folder its default settings name (`<name>-<settings key>`, as the recipe writes it), so a build
 # made before the recipe left the package is found where it is. recipes/minisci_priors/tests hold these keys to the
 # recipe's settings.

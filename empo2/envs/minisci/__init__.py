@@ -3,8 +3,8 @@
 The instruction names something that is not where a prior-driven agent looks, and a look-alike
 sits where it does look; focusing on the wrong thing ends the episode at score 0. Five families
 (find-living-thing, power-component, measure-temperature, mix-paint and the held-out change-state),
-300 variations each, partial-progress scores 0-100, a gold path per instance, and about ten
-microseconds per step (benchmarks/minisci_speed.py).
+300 variations each, partial-progress scores 0-100, a gold path per instance, and steps cheap
+enough that the policy, not the environment, sets a run's pace (docs/performance.md).
 
     env = make_env("minisci")
     obs, info = env.reset(task="power-component", variation=3)
