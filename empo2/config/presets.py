@@ -35,8 +35,9 @@ PRESETS = {p.name: p for p in (
     Preset("minisci_tips_reader", "minisci_tips taught to act on tips from the states its own episodes reach (two "
                                   "DAgger rounds; shipped)", prompt_layout=MINISCI_TIPS_LAYOUT, shipped=True),
     Preset("minisci_tips_signed", "minisci_tips build 7: signs its tips with the task's box and room and was taught "
-                                  "on its own episodes to read the tips that match (the prior meeting all three "
-                                  "calibration targets; shipped)", prompt_layout=MINISCI_TIPS_LAYOUT, shipped=True),
+                                  "on its own episodes to read the tips that match (the trap target met by "
+                                  "interval, the other two on point estimates only; shipped)",
+           prompt_layout=MINISCI_TIPS_LAYOUT, shipped=True),
     Preset("hf", "any local transformers checkpoint given as model.path"),
     Preset("qwen2.5-0.5b", "Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     Preset("qwen2.5-1.5b", "Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"),
