@@ -241,8 +241,8 @@ def checkpoint_folder(cfg: ModelConfig) -> Path | None:
     """The folder a config's weights load from, found without building or converting anything: a shipped prior's, a
     recipe-built one's (`recipe_prior`), else `model.path`; None for presets built or converted on first use. Its
     empo2_source.json says how a prior was made and whether it signs its tips (the recipe's `tips_signed`)."""
-    if PRESETS[cfg.name].shipped:
+    if PRESETS[cfg.name].source == "asset":
         return shipped_prior(cfg.name)
-    if cfg.name in RECIPE_BUILT:
+    if PRESETS[cfg.name].source == "recipe":
         return recipe_prior(cfg.name)
     return Path(cfg.path).expanduser() if cfg.path else None
