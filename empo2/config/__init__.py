@@ -75,9 +75,10 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------------- env
-ENV_NAME_HELP = ("Environment: `minisci` (embedded, microseconds per step), `scienceworld` (real JVM, milliseconds "
-                 "per step), `textworld` (optional extra). The `env` group's option selects it along with the "
-                 "settings of that environment alone; a key of another environment is refused.")
+ENV_NAME_HELP = ("Environment: `minisci` (embedded pure Python, far the cheapest step), `scienceworld` (a real JVM "
+                 "per environment; step costs in docs/performance.md), `textworld` (optional extra). The `env` "
+                 "group's option selects it along with the settings of that environment alone; a key of another "
+                 "environment is refused.")
 
 
 def _env_name(default: str) -> Any:
@@ -446,8 +447,8 @@ class LoggerConfig:
     tags: dict = opt({}, "Extra MLflow run tags, e.g. `+logger.tags.team=nlp`. Grids add `grid` and `seed`, sweeps "
                      "`sweep`, `trial` and the study's parent run; the preset name is added as `preset`.")
     retry_s: float = opt(30.0, "While the tracking server is away, seconds between delivery attempts of the kept "
-                         "metrics. Each failed attempt can cost up to 10 s of training; shorter notices the server's "
-                         "return sooner.", gt=0)
+                         "metrics. Each failed attempt holds training for up to its 10 s request timeout; shorter "
+                         "notices the server's return sooner.", gt=0)
 
 
 # ----------------------------------------------------------------------------------------------- debug

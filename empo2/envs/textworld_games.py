@@ -68,7 +68,7 @@ SIMPLE_LEVELS: dict[int, dict] = {
 # The catalogue: (in-distribution levels, out-of-distribution levels) per challenge. Coin collector:
 # 1-100 is a chain of `level` rooms, 101-150 adds a dead-end room beside each, 201-233 two. Treasure
 # hunter: 1-10 five open rooms, 11-20 ten rooms with doors and containers, 21-30 twenty rooms with
-# locked ones (levels above 25 take 5 s to minutes to generate, so the catalogue stops at 23).
+# locked ones (levels above 25 are slow to generate, docs/performance.md, so the catalogue stops at 23).
 # OOD = higher levels of a trained challenge, and the whole of tw-simple (a challenge never trained).
 CATALOGUE_LEVELS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "tw-coin_collector": ((1, 2, 3, 5, 8, 10, 15, 101, 102, 103, 105, 110), (20, 30, 115, 120, 205, 210)),

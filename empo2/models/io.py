@@ -202,7 +202,7 @@ def load_local(path: Path, dtype: torch.dtype):
     return model, tok
 
 
-# The priors the recipe builds on the user's machine rather than shipping (8 and 51 min on 2 cores, docs/priors.md),
+# The priors the recipe builds on the user's machine rather than shipping (their build times: docs/performance.md),
 # each by the cache folder its default settings name (`<name>-<settings key>`, as the recipe writes it), so a build
 # made before the recipe left the package is found where it is. recipes/minisci_priors/tests hold these keys to the
 # recipe's settings.
@@ -241,8 +241,8 @@ def checkpoint_folder(cfg: ModelConfig) -> Path | None:
     """The folder a config's weights load from, found without building or converting anything: a shipped prior's, a
     recipe-built one's (`recipe_prior`), else `model.path`; None for presets built or converted on first use. Its
     empo2_source.json says how a prior was made and whether it signs its tips (the recipe's `tips_signed`)."""
-    if PRESETS[cfg.name].shipped:
+    if PRESETS[cfg.name].source == "asset":
         return shipped_prior(cfg.name)
-    if cfg.name in RECIPE_BUILT:
+    if PRESETS[cfg.name].source == "recipe":
         return recipe_prior(cfg.name)
     return Path(cfg.path).expanduser() if cfg.path else None

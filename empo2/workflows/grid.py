@@ -81,6 +81,9 @@ def plan_grid(path: str | Path, seeds: object = None, overrides: list[str] | tup
     """The grid's id and its runs, each with a validated config. Any problem raises `ConfigError`
     naming the file (or the preset and seed) before anything runs."""
     path = Path(path)
+    moved = path.parent.parent / "grids" / path.name  # experiments/X.yaml -> grids/X.yaml, where grid files live now
+    if not path.exists() and moved != path and moved.is_file():
+        raise ConfigError(f"grid file {path}: no such file; it moved to {moved}")
     data = read_yaml(path, "grid file")
     check_keys(data, GRID_KEYS, path)
     presets = string_list(data.get("presets"), "presets", path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from empo2.config import ConfigError, TrainConfig, TrainerConfig, check_tensor_parallel
 from empo2.config.presets import PRESETS
-from empo2.models.io import RECIPE_BUILT, checkpoint_folder, recipe_prior, resolve_path, smollm2_cache_dir
+from empo2.models.io import checkpoint_folder, recipe_prior, resolve_path, smollm2_cache_dir
 
 MIN_JAVA = 11  # ScienceWorld 1.2 runs its bundled jar on Java 11 or newer (tested here on 17)
 
@@ -84,7 +84,7 @@ def attention_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
     folder = checkpoint_folder(cfg.model)
     if folder is None and PRESETS[cfg.model.name].hf_id:
         folder = resolve_path(cfg.model)
-    if folder is None and cfg.model.name == "smollm2":
+    if folder is None and PRESETS[cfg.model.name].source == "gguf_wheel":
         folder = smollm2_cache_dir()
     if folder is None or not (folder / "config.json").is_file():
         return None, None
@@ -95,9 +95,10 @@ def attention_heads(cfg: TrainConfig) -> tuple[int | None, int | None]:
 
 def preflight(cfg: TrainConfig) -> None:
     writable_root("run_root", cfg.run_root)
-    if cfg.model.name == "hf" or PRESETS[cfg.model.name].hf_id:  # a checkpoint on disk, not one we build
+    source = PRESETS[cfg.model.name].source
+    if source == "path":  # a checkpoint on disk, not one we build
         resolve_path(cfg.model)
-    if cfg.model.name in RECIPE_BUILT:  # built by the recipe, never by a run
+    if source == "recipe":  # built by the recipe, never by a run
         recipe_prior(cfg.model.name)
     if cfg.env.name == "scienceworld":
         version = java_version()

@@ -530,12 +530,13 @@ def decision_shift(model, tok, states: list[DecisionState], seed: int = 0, signa
 
 
 def signature_match_examples(tok, states: list[DecisionState], seed: int = 0) -> list[tuple]:
-    """What reading the signature computes, as a target of its own (benchmarks/minisci_signature_probe.py). Per
-    decision state, the rollout worker's prompt under the gold path's signed tip and under the same tip re-signed with
-    another house's signature (`resign`), as (ids, positions, labels): at the last token of each field of the
-    signature (the words between its commas: box and room, the component) in every tip block, 1.0 where that
-    field is the instance's own; at the prompt's last token, where the reader answers, 1.0 where the whole
-    signature is. The two prompts differ in the signature alone, so nothing else can tell them apart."""
+    """What reading the signature computes, as a target of its own
+    (recipes/minisci_priors/research/minisci_signature_probe.py). Per decision state, the rollout worker's prompt
+    under the gold path's signed tip and under the same tip re-signed with another house's signature (`resign`), as
+    (ids, positions, labels): at the last token of each field of the signature (the words between its commas: box
+    and room, the component) in every tip block, 1.0 where that field is the instance's own; at the prompt's last
+    token, where the reader answers, 1.0 where the whole signature is. The two prompts differ in the signature alone,
+    so nothing else can tell them apart."""
     rng = random.Random(seed)
     builder = prompt_builder(tok)
     out = []

