@@ -197,15 +197,15 @@ class RolloutCallback(L.Callback):
         (`val_train/*`), without memory and, with `trainer.val_mem`, with it; each instance's score as
         `<prefix>/score_<mode>/<task>-<variation>` besides the mean, and the time it took (`time/validation_s`)."""
         t0, out = time.perf_counter(), {}
-        with_memory = self.cfg.trainer.val_mem and self.worker.memory is not None
-        modes = [("nomem", False)] + ([("mem", True)] if with_memory else [])
+        val_mem = self.cfg.trainer.val_mem and self.worker.memory is not None
+        modes = [("nomem", False)] + ([("mem", True)] if val_mem else [])
         lists = [("val", self.val_tasks, ())] + ([("val_train", self.train_val_tasks, (1,))]
                                                  if self.train_val_tasks else [])
         total, done = len(modes) * sum(len(tasks) for _, tasks, _ in lists), 0
         for prefix, tasks, salt in lists:
-            for name, use_memory in modes:
+            for name, mem in modes:
                 generator = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 2**20, name == "mem", *salt))
-                batch = self._collect("validation", done, total, scoring_spec(self.cfg, use_memory), tasks, 1,
+                batch = self._collect("validation", done, total, scoring_spec(self.cfg, mem), tasks, 1,
                                       iteration, generator)
                 done += len(tasks)
                 out[f"{prefix}/score_{name}"] = batch.stats["rollout/score"]

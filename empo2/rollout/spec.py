@@ -61,10 +61,10 @@ class CollectionSpec:
     # from the trainer's own weights in the trainer's float32 precision, whole vocabulary (needs record_logprobs)
     exact_logprobs: bool = False
 
-    def for_scoring(self, with_tips: bool, temperature: float) -> CollectionSpec:
-        """This collection as a scoring one: every rollout with tips (`with_tips`, where there is a memory) or none,
+    def for_scoring(self, mem: bool, temperature: float) -> CollectionSpec:
+        """This collection as a scoring one: every rollout with tips (`mem`, where there is a memory) or none (nomem),
         sampled at `temperature`, nothing written, recorded or dropped."""
-        return dataclasses.replace(self, scoring=True, p=1.0 if with_tips else 0.0, temperature=temperature,
+        return dataclasses.replace(self, scoring=True, p=1.0 if mem else 0.0, temperature=temperature,
                                    write_tips=False, drop_over_tokens=None, record_logprobs=False,
                                    exact_logprobs=False)
 
@@ -93,9 +93,9 @@ def training_spec(cfg: TrainConfig, iteration: int, world_size: int = 1) -> Coll
     return collection_spec(cfg, beta=beta, add_tips=world_size == 1)
 
 
-def scoring_spec(cfg: TrainConfig, with_tips: bool) -> CollectionSpec:
+def scoring_spec(cfg: TrainConfig, mem: bool) -> CollectionSpec:
     """Validation and evaluation: every rollout with tips or none, at `rollout.val_temperature`."""
-    return collection_spec(cfg).for_scoring(with_tips, cfg.rollout.val_temperature)
+    return collection_spec(cfg).for_scoring(mem, cfg.rollout.val_temperature)
 
 
 def adaptation_spec(cfg: TrainConfig) -> CollectionSpec:

@@ -200,7 +200,7 @@ def evaluate(cfg: TrainConfig, ckpt: Path, memory: str = "both", split: str = "t
     results = {}
     try:
         for mode in modes:
-            episodes, _ = _play(worker, scoring_spec(cfg, with_tips=mode == "mem"), task_specs, rollouts, 0,
+            episodes, _ = _play(worker, scoring_spec(cfg, mem=mode == "mem"), task_specs, rollouts, 0,
                                 derive_seed(cfg.seed, 2**22, mode == "mem"))
             results[mode] = {**summarize(episodes), "episodes_detail": episodes}
     finally:
@@ -235,14 +235,14 @@ def adapt(cfg: TrainConfig, ckpt: Path | None = None, trials: int = 3, split: st
     cfg.memory.enabled = True  # the memory is the whole point: a run trained without one adapts with a fresh one
     task_specs = task_list(cfg, tasks, split, variations or cfg.env.val_variations, held_out=True)
     worker = _worker(cfg, ckpt, _n_envs(cfg, task_specs, rollouts), with_memory_state=False)
-    trial, without_tips = adaptation_spec(cfg), scoring_spec(cfg, with_tips=False)
+    trial, nomem_spec = adaptation_spec(cfg), scoring_spec(cfg, mem=False)
     per_trial = []
     try:
         for k in range(1, trials + 1):
             seed = derive_seed(cfg.seed, 2**23)
             episodes, new_tips = _play(worker, trial, task_specs, rollouts, k, seed)
             # the same instances and seeds without tips: what the trial's memory adds, trial by trial
-            nomem, _ = _play(worker, without_tips, task_specs, rollouts, k, seed)
+            nomem, _ = _play(worker, nomem_spec, task_specs, rollouts, k, seed)
             for entries in new_tips:  # after the trial, so no episode saw its own trial's tips
                 worker.memory.add(*entries)
             per_trial.append({"trial": k, **summarize(episodes), "memory_size": len(worker.memory),

@@ -192,7 +192,7 @@ def test_fixed_seed_reproduces_the_batch(policy, embedder):
 
 def test_evaluation_mode_writes_no_tips_and_counts_no_visits(policy, embedder):
     c, s = make_collection(policy, embedder)
-    batch = collect(c, s.for_scoring(with_tips=False, temperature=s.temperature))
+    batch = collect(c, s.for_scoring(mem=False, temperature=s.temperature))
     assert len(c.memory) == 0 and len(c.novelty) == 0
     assert not any(s.memory for s in batch.samples)
 

@@ -37,8 +37,8 @@ def test_training_specs_follow_the_beta_schedule_and_share_tips_under_data_paral
 
 
 def test_scoring_specs_play_all_or_no_rollouts_with_tips_at_the_validation_temperature(cfg):
-    for with_tips, p in ((True, 1.0), (False, 0.0)):
-        spec = scoring_spec(cfg, with_tips)
+    for mem, p in ((True, 1.0), (False, 0.0)):
+        spec = scoring_spec(cfg, mem)
         assert spec.scoring and spec.p == p and spec.temperature == 0.4
         assert not spec.write_tips and spec.drop_over_tokens is None and not spec.record_logprobs
 
