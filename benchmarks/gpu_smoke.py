@@ -41,7 +41,10 @@ Checks, each reported PASS/FAIL/SKIP (exit status 1 when any fails):
   launcher_two_gpus   (2+ GPUs) the plain `empo2 train trainer=fsdp trainer.devices=2 engine=vllm`, no torchrun:
                       Lightning's own launcher starts rank 1, each rank's vLLM engine on its own GPU; the ranks end
                       with the same weights (rank<r>.json)
-Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given).
+Writes a JSON report (benchmarks/results/gpu_smoke.json unless --out is given). The whole call keeps within
+--budget-s (600 s by default): a check that would start after it is recorded as SKIP, and a training command still
+running at it is stopped (FAIL: it did not finish in time). Without a CUDA GPU it stops at once, in one line
+(exit status 2).
 """
 
 from __future__ import annotations
@@ -59,12 +62,23 @@ from pathlib import Path
 import torch
 
 RESULTS: list[dict] = []
+DEADLINE = float("inf")  # time.monotonic() at which the --budget-s budget is spent
 AGREEMENT = 0.75  # bf16 kernels differ between engines; near-ties may flip a few first tokens
 
 
+def left() -> float:
+    """Seconds of the budget left: the timeout of a check's training command."""
+    return max(DEADLINE - time.monotonic(), 1.0)
+
+
 def check(name: str):
-    """Runs the decorated check at once, recording PASS (it returned details) or FAIL (it raised)."""
+    """Runs the decorated check at once, recording PASS (it returned details) or FAIL (it raised); SKIP where the
+    budget is spent before it starts."""
     def run(fn):
+        if time.monotonic() >= DEADLINE:
+            RESULTS.append({"check": name, "status": "SKIP", "reason": "the --budget-s budget was spent"})
+            print(f"[SKIP] {name} (budget spent)", flush=True)
+            return fn
         start = time.perf_counter()
         try:
             details, status = fn() or {}, "PASS"
@@ -86,13 +100,21 @@ def exact_agreement(a, b) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="HF checkpoint directory (default: bundled SmolLM2 cache)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's CUDA graphs (faster start)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_smoke.json"))
+    ap.add_argument("--budget-s", type=float, default=600.0,
+                    help="the whole call's time budget in seconds; checks left when it is spent are skipped")
     args = ap.parse_args()
+    # before any model or engine is loaded: a machine without a GPU learns it at once
+    if not torch.cuda.is_available():
+        print(f"gpu_smoke.py needs a CUDA GPU: torch {torch.__version__} sees none", file=sys.stderr)
+        return 2
+    global DEADLINE
+    DEADLINE = time.monotonic() + args.budget_s
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,9 +124,6 @@ def main() -> int:
     from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
     from empo2.rollout.prompts import PromptBuilder
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
-        return 1
     path = str(Path(args.model_path).expanduser() if args.model_path else ensure_smollm2())
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(path)
@@ -255,7 +274,7 @@ def main() -> int:
                    "env.max_steps=4", "logger=none", f"run_root={root}", "run_name=vllm"]
             if args.model_path:
                 cmd += ["model=hf", f"model.path={args.model_path}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left())
             assert proc.returncode == 0, proc.stderr[-2000:]
             summary = json.loads((Path(root) / "vllm" / "summary.json").read_text())
         syncs = [h["time/weight_sync_s"] for h in summary["history"] if "time/weight_sync_s" in h]
@@ -268,7 +287,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as root:
             cmd = [sys.executable, "-m", "empo2.cli", "train", "debug=fast", "trainer=fsdp", "trainer.devices=1",
                    "trainer.iterations=1", "engine=hf", f"run_root={root}", "run_name=fsdp"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left())
             assert proc.returncode == 0, proc.stderr[-2000:]
             summary = json.loads((Path(root) / "fsdp" / "summary.json").read_text())
         return {"iterations": len(summary["history"]), "strategy": summary["config"]["trainer"]["strategy"]}
@@ -361,7 +380,7 @@ def main() -> int:
                    "engine.max_model_len=4096", "trainer=fsdp",
                    "trainer.devices=2", "trainer.iterations=1", "rollout.tasks_per_batch=2", "rollout.group_size=2",
                    "env.max_steps=3", "env.val_variations=1", "logger=none", f"run_root={root}", "run_name=tp"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left())
             assert proc.returncode == 0, proc.stderr[-2000:]
             r0, r1 = (json.loads((Path(root) / "tp" / f"rank{r}.json").read_text()) for r in (0, 1))
             summary = json.loads((Path(root) / "tp" / "summary.json").read_text())
@@ -473,7 +492,7 @@ def main() -> int:
                    f"run_root={root}", "run_name=gap"]
             if args.model_path:
                 cmd += ["model=hf", f"model.path={args.model_path}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left())
             assert proc.returncode == 0, proc.stderr[-2000:]
             summary = json.loads((Path(root) / "gap" / "summary.json").read_text())
         gap = {k: v for k, v in summary["history"][0].items() if k.startswith("rollout/logprob_gap_")}
@@ -495,7 +514,7 @@ def main() -> int:
                        "logger=none", f"run_root={root}"]
                 if args.model_path:
                     cmd += ["model=hf", f"model.path={args.model_path}"]
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left())
                 assert proc.returncode == 0, proc.stderr[-2000:]
                 ranks = [json.loads(p.read_text()) for p in sorted(Path(root).glob("*/rank*.json"))]
             assert len(ranks) == 2, f"{len(ranks)} rank files"

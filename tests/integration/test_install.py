@@ -1,5 +1,6 @@
 """What `make install` would do, read from its plan (`make install-plan`: pip's dry-run reports, nothing installed
-but pip itself into a throwaway venv, nothing downloaded but metadata), and its stamp.
+but pip itself into a throwaway venv, nothing downloaded but metadata), and its stamp; and what environment.yml's
+pip step would do without a CPU torch.
 
 The local wheel folder and file indexes of a machine are hidden by pip's own switch (`PIP_CONFIG_FILE` set to
 os.devnull loads no configuration file) and by dropping the `PIP_*` variables that name package sources; PyTorch's
@@ -54,6 +55,32 @@ def test_without_a_cpu_torch_the_install_stops_in_one_line_and_plans_no_cuda_tor
     assert "PIP_FIND_LINKS=<folder> make install" in lines[0] and "make install TORCH=cuda" in lines[0]
     assert not list(venv.glob("plan-*.json"))  # nothing planned: no CUDA torch, no rest of the stack
     assert seconds < 30, seconds  # an unreachable index costs seconds
+
+
+@pytest.mark.needs("pypi")
+def test_environment_yml_without_a_cpu_torch_stops_at_torch_and_plans_no_cuda_torch(tmp_path):
+    """environment.yml's pip section as `conda env create` hands it to pip (a requirements file, into a fresh env:
+    nothing installed counts), its CPU index refusing, the local wheel folder hidden, and the timeout and retries
+    its comment gives: pip's plan stops at the CPU torch pin within seconds, never falling back to PyPI's CUDA torch."""
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    index = next(r.split()[1] for r in pip if r.startswith("--extra-index-url "))
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("\n".join(r.replace(index, REFUSING_INDEX) for r in pip) + "\n")
+    hidden = {k: v for k, v in os.environ.items() if k not in (*SOURCES, "PIP_DEFAULT_TIMEOUT")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--report",
+                           str(tmp_path / "plan.json"), "-r", str(requirements)], capture_output=True, text=True,
+                          timeout=300, env=hidden | {"PIP_CONFIG_FILE": os.devnull, "PIP_TIMEOUT": "10",
+                                                     "PIP_RETRIES": "2"})
+    seconds = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "ERROR: No matching distribution found for torch==2.13.0+cpu" in proc.stderr, proc.stderr[-3000:]
+    assert "nvidia" not in (proc.stdout + proc.stderr).lower()  # no CUDA torch, nor its CUDA libraries, considered
+    assert not (tmp_path / "plan.json").exists()  # nothing planned
+    assert seconds < 60, seconds
 
 
 @pytest.mark.slow  # ~2 min: the whole stack's resolution, mostly waiting on the network

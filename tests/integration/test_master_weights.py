@@ -3,8 +3,8 @@ AdamW's state are float32 after a step and after resuming a checkpoint written w
 one process and under `trainer=fsdp` on two gloo processes (where they are DTensor shards); a LoRA base keeps the
 load dtype, LoRA adapters are float32 and the KL reference computes in float32 like the policy; `empo2 eval`
 plays in the load dtype; bfloat16 compute on float32 masters gives a float32 run's gradient to bfloat16
-tolerance; and the bfloat16 configuration at lr 1e-6 moves nearly every weight in one step (with bfloat16
-weights, 2.3% moved)."""
+tolerance; the bfloat16 configuration at lr 1e-6 moves nearly every weight in one step (with bfloat16
+weights, 2.3% moved); and under FSDP2 each shard is upcast after sharding."""
 
 import copy
 import json
@@ -182,6 +182,42 @@ def test_empo2_eval_plays_in_the_load_dtype(repro, tmp_path, monkeypatch):
     """`empo2 eval` reads the run's policy in `model.dtype` (bfloat16 here), the checkpoint's float32 master weights
     rounded to it."""
     assert eval_policy(Path(repro[0]["checkpoint"]), tmp_path, monkeypatch) == ([BF16], True)
+
+
+def test_fsdp_upcasts_each_shard_after_sharding(monkeypatch):
+    """`configure_model` under FSDP2 (one gloo process, its own group): when `float32_master_weights` runs, every
+    trainable parameter is already a DTensor shard, still in the load dtype (bfloat16), so no rank ever holds the
+    whole model in float32; after it, the shards are float32 DTensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import empo2.lit.module as lit_module
+    from empo2.lit.strategy import FSDP2Strategy
+
+    seen = {}
+
+    def spy(policy, frozen=False):
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        seen["before"] = ({type(p).__name__ for p in trainable}, {str(p.dtype) for p in trainable})
+        float32_master_weights(policy, frozen)
+
+    monkeypatch.setattr(lit_module, "float32_master_weights", spy)
+    cfg = load_config(REPRO + ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1"])
+    policy, tok = load_policy(cfg.model)
+    module = EMPO2Module(policy, tok, cfg.algo, cfg.trainer, RolloutBuffer([]))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        strategy = FSDP2Strategy(mixed_precision=True)
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy._device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        module.trainer = type("Trainer", (), {"strategy": strategy})()
+        module.configure_model()
+    finally:
+        dist.destroy_process_group()
+    assert seen["before"] == ({"DTensor"}, {BF16})
+    trainable = [p for p in module.policy.parameters() if p.requires_grad]
+    assert {type(p).__name__ for p in trainable} == {"DTensor"}
+    assert {str(p.dtype) for p in trainable} == {str(p.to_local().dtype) for p in trainable} == {F32}
 
 
 # --------------------------------------------------------------------------------------- the gradient

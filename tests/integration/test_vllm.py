@@ -23,6 +23,7 @@ from empo2.envs import get_catalogue, make_env
 from empo2.lit.data import RolloutBuffer
 from empo2.lit.module import EMPO2Module
 from empo2.models import apply_lora, load_policy
+from empo2.rollout.build import engine_for
 from empo2.rollout.engines import HFEngine, SamplingParams, VLLMEngine, full_named_tensors
 from empo2.rollout.engines.vllm import CPU_KV_CACHE_GIB, cpu_kv_cache_gib
 from empo2.rollout.prompts import PromptBuilder
@@ -50,9 +51,17 @@ def prior():
     return load_policy(PRIOR)
 
 
+def engine_of(prior, *overrides: str):
+    """The vLLM engine a run of the prior with `overrides` builds (`engine_for`: `engine.dtype` resolved)."""
+    cfg = load_config(["model=minisci_tips_signed", "engine=vllm", "engine.kv_cache_gib=0.25", *overrides])
+    return engine_for(cfg, *prior)
+
+
 @pytest.fixture(scope="module")
 def engine(prior):
-    return VLLMEngine(prior[0], prior[1], kv_cache_gib=0.25)
+    """The engine of a 32-true run (`engine.dtype=auto`), its longest request the prior's context."""
+    return engine_of(prior, "trainer.precision=32-true",
+                     f"engine.max_model_len={prior[0].config.max_position_embeddings}")
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +127,17 @@ def test_at_float32_vllm_and_hf_give_the_same_greedy_tokens_and_the_trainers_log
 
 @pytest.fixture(scope="module")
 def bf16(prior, prompts):
-    """A bfloat16 engine whose longest request is the longest prompt + 12 tokens. Module-scoped: an engine torn down
-    mid-module takes vLLM's process-wide parallel groups with it, and the module's other engine with them."""
-    return VLLMEngine(prior[0], prior[1], kv_cache_gib=0.25, dtype="bfloat16",
-                      max_model_len=max(len(p) for p in prompts) + 12)
+    """The engine of a bf16-mixed run (`engine.dtype=auto`: bfloat16) whose longest request is the longest prompt + 12
+    tokens. Module-scoped: an engine torn down mid-module takes vLLM's process-wide parallel groups with it, and the
+    module's other engine with them."""
+    return engine_of(prior, "trainer.precision=bf16-mixed", f"engine.max_model_len={max(len(p) for p in prompts) + 12}")
+
+
+def test_engine_dtype_auto_builds_the_engine_in_the_trainers_compute_precision(engine, bf16):
+    """`engine.dtype=auto` through `engine_for`: the vLLM model itself is bfloat16 under bf16-mixed and float32
+    under 32-true, whatever dtype the policy's weights are in (float32 here)."""
+    assert (bf16.dtype, bf16.llm.llm_engine.model_config.dtype) == ("bfloat16", torch.bfloat16)
+    assert (engine.dtype, engine.llm.llm_engine.model_config.dtype) == ("float32", torch.float32)
 
 
 def test_a_bfloat16_engine_has_the_larger_gap_and_a_request_over_its_cap_is_refused(prior, engine, bf16, prompts):
