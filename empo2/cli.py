@@ -173,8 +173,8 @@ def run_findings(history: list[dict]) -> list[str]:
 def gap_lines(summary: dict) -> list[str]:
     """The sampler/trainer gap of a run: 0 by construction where the engine's log-probs were the old log-probs,
     else the per-iteration `rollout/logprob_gap_*` over the run; where the update scored its samples but the engine
-    kept no log-probs (the HF engine under `rollout.top_p` < 1: `records_engine_logprobs`), that it was not
-    measured; nothing where no update ran."""
+    kept no log-probs (`gap_unmeasured`: the HF engine under `rollout.top_p` < 1), that it was not measured;
+    nothing where no update ran."""
     from empo2.utils import plural
 
     if summary.get("logprobs_exact"):
@@ -182,9 +182,8 @@ def gap_lines(summary: dict) -> list[str]:
                 "the old log-probs: no scoring pass)"]
     rows = [h for h in summary.get("history", []) if "rollout/logprob_gap_mean" in h]
     if not rows:
-        cfg = summary.get("config", {})
-        engine, top_p = cfg.get("engine", {}).get("name"), cfg.get("rollout", {}).get("top_p", 1.0)
-        if cfg.get("algo", {}).get("update_policy", True) and engine == "hf" and top_p < 1:
+        if summary.get("gap_unmeasured"):
+            top_p = summary.get("config", {}).get("rollout", {}).get("top_p")
             return [f"sampler/trainer gap: not measured (the HF engine keeps no log-probs under rollout.top_p="
                     f"{top_p:g}: its recorder reads the whole vocabulary, not the nucleus it samples from)"]
         return []

@@ -205,7 +205,13 @@ def train(cfg: TrainConfig, callbacks: list | None = None, started: float | None
     from empo2.lit.module import EMPO2Module
     from empo2.lit.progress import IterationProgressBar, PhaseTimes
     from empo2.lit.strategy import build_strategy
-    from empo2.rollout.build import build_worker, generation_logprobs_exact, start_envs, validation_tasks
+    from empo2.rollout.build import (
+        build_worker,
+        generation_logprobs_exact,
+        records_engine_logprobs,
+        start_envs,
+        validation_tasks,
+    )
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -317,6 +323,8 @@ def train(cfg: TrainConfig, callbacks: list | None = None, started: float | None
                "mlflow_tracking_uri": logger._tracking_uri if logger is not None else None,
                # the engine's log-probs were the old log-probs (no scoring pass: a sampler/trainer gap of 0)
                "logprobs_exact": cfg.algo.update_policy and generation_logprobs_exact(cfg),
+               # the update scored its samples but the engine kept no log-probs to measure the gap against
+               "gap_unmeasured": cfg.algo.update_policy and not records_engine_logprobs(cfg),
                "phases": phases, "run_dir": str(run_dir), "plot": str(plot_path), "config_file": str(config_path),
                "summary_path": str(run_dir / "summary.json")}
     if trainer.is_global_zero:

@@ -70,11 +70,13 @@ def test_the_report_gives_the_sampler_trainer_gap_or_says_it_is_zero_by_construc
     assert gap_lines({"history": history[1:2]}) == []  # no engine log-probs recorded: nothing to say
     # the scoring pass ran, but the HF engine kept no log-probs under a nucleus: the report says so
     hf_nucleus = {"engine": {"name": "hf"}, "rollout": {"top_p": 0.9}, "algo": {"update_policy": True}}
-    assert gap_lines({"logprobs_exact": False, "history": history[1:2], "config": hf_nucleus}) == [
+    assert gap_lines({"logprobs_exact": False, "gap_unmeasured": True, "history": history[1:2],
+                      "config": hf_nucleus}) == [
         "sampler/trainer gap: not measured (the HF engine keeps no log-probs under rollout.top_p=0.9: its recorder "
         "reads the whole vocabulary, not the nucleus it samples from)"]
     memory_only = {**hf_nucleus, "algo": {"update_policy": False}}  # no update, no scoring pass: nothing to say
-    assert gap_lines({"logprobs_exact": False, "history": history[1:2], "config": memory_only}) == []
+    assert gap_lines({"logprobs_exact": False, "gap_unmeasured": False, "history": history[1:2],
+                      "config": memory_only}) == []
 
 
 def test_the_closing_report_says_where_the_time_went_and_the_peak_memory(capsys):
