@@ -100,11 +100,17 @@ install-plan:
 demo: $(STAMP)
 	$(VENV)/bin/empo2 train experiment=empo2_paper_minisci_tips model=minisci_tips_signed trainer.iterations=20 memory.top_k=1 memory.rank_by=score
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; 0: one process). Most tests wait part of their time on
+# the processes, servers or cluster jobs they start, so a second worker fills the cores they leave idle. Whole
+# files go to one worker (--dist loadfile): a module's trained runs, servers and engines are built once.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # mutation testing of core_algos, the tips, the tip memory and the prompts (not part of `make test`): docs/testing.md
 mutation: $(STAMP)
