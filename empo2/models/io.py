@@ -17,6 +17,7 @@ local or built locally.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -69,12 +70,14 @@ def smollm2_cache_dir() -> Path:
 
 def _convert_smollm2(gguf: Path, target: Path) -> None:
     """GGUF -> safetensors checkpoint, written to a temp dir and renamed so a half-written cache is never seen."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"gguf_file": gguf.name}
     tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)
-    config = AutoConfig.from_pretrained(gguf.parent, **kw)
+    # the loaded model's config rather than AutoConfig on the GGUF: every read of the GGUF parses its 49k-token
+    # vocabulary again
+    config = copy.deepcopy(gguf_model.config)
     config.quantization_config = None  # the GGUF marker is what makes save_pretrained refuse
     if hasattr(config, "quantization_config"):
         del config.quantization_config
