@@ -205,7 +205,12 @@ def test_fsdp_upcasts_each_shard_after_sharding(monkeypatch):
     cfg = load_config(REPRO + ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1"])
     policy, tok = load_policy(cfg.model)
     module = EMPO2Module(policy, tok, cfg.algo, cfg.trainer, RolloutBuffer([]))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # a vLLM engine built in this process before (another test file on the same pytest worker) leaves vLLM's own
+    # one-process group as the default group: FSDP2 runs on that one, and only a group made here is destroyed here
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         strategy = FSDP2Strategy(mixed_precision=True)
         strategy.parallel_devices = [torch.device("cpu")]
@@ -213,7 +218,8 @@ def test_fsdp_upcasts_each_shard_after_sharding(monkeypatch):
         module.trainer = type("Trainer", (), {"strategy": strategy})()
         module.configure_model()
     finally:
-        dist.destroy_process_group()
+        if ours:
+            dist.destroy_process_group()
     assert seen["before"] == ({"DTensor"}, {BF16})
     trainable = [p for p in module.policy.parameters() if p.requires_grad]
     assert {type(p).__name__ for p in trainable} == {"DTensor"}
