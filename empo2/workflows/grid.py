@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from empo2.config import ConfigError, TrainConfig, load_config, migrate_config, to_dict
+from empo2.config import ConfigError, TrainConfig, migrate_config, to_dict
 from empo2.config.experiments import check_keys, read_yaml, string_list
-from empo2.workflows.launch import WorkerPool, hydra_quote, last_line, log_run_files
+from empo2.workflows.launch import WorkerPool, hydra_quote, last_line, load_run_config, log_run_files
 from empo2.workflows.runs import tracking_uri
 from empo2.workflows.slurm import (
     ENDED,
@@ -100,12 +100,7 @@ def plan_grid(path: str | Path, seeds: object = None, overrides: list[str] | tup
             args = [f"experiment={preset}", *shared, f"seed={seed}", f"run_name={grid_id}/{preset}-s{seed}",
                     f"++logger.experiment={hydra_quote(experiment)}", f"+logger.tags.grid={hydra_quote(grid_id)}",
                     f"+logger.tags.seed={hydra_quote(seed)}", "resume=auto"]
-            try:
-                cfg = load_config(args)
-            except ConfigError as e:
-                raise ConfigError(f"{path}: {preset} seed {seed}: {e}") from None
-            if cfg.logger.name != "mlflow":
-                raise ConfigError(f"{path}: {preset}: grid runs are tracked in MLflow; drop logger={cfg.logger.name}")
+            cfg = load_run_config(args, f"{path}: {preset} seed {seed}", "grid runs")
             runs.append(GridRun(preset, seed, args, cfg))
     return grid_id, runs
 

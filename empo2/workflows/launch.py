@@ -16,13 +16,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from empo2.config import ConfigError
+from empo2.config import ConfigError, TrainConfig, load_config
 
 
 def hydra_quote(value: object) -> str:
     """A value as a quoted Hydra override string (safe for any text)."""
     text = str(value).replace("\\", "\\\\").replace("'", "\\'")
     return f"'{text}'"
+
+
+def load_run_config(args: list[str], where: str, what: str) -> TrainConfig:
+    """The config of a run the driver will launch (`what`: "grid runs", "sweep trials"), checked before any
+    starts: an error names `where`; such runs are compared in MLflow, so another logger is refused."""
+    try:
+        cfg = load_config(args)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if cfg.logger.name != "mlflow":
+        raise ConfigError(f"{where}: {what} are tracked in MLflow; drop logger={cfg.logger.name}")
+    return cfg
 
 
 def _visible_gpus() -> list[str]:

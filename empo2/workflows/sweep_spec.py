@@ -32,7 +32,7 @@ from typing import Any
 
 from empo2.config import ConfigError, TrainConfig, current_metric, load_config
 from empo2.config.experiments import check_keys, read_yaml, string_list
-from empo2.workflows.launch import hydra_quote
+from empo2.workflows.launch import hydra_quote, load_run_config
 
 SWEEP_KEYS = ("study", "mlflow_experiment", "preset", "overrides", "metric", "direction", "n_trials", "timeout",
               "seed", "storage", "heartbeat", "sampler", "pruner", "space", "enqueue")
@@ -161,12 +161,7 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple = ()) -> SweepSpec
         raise ConfigError(f"{path}: preset must be a preset name, got {preset!r}")
     fixed = string_list(data.get("overrides"), "overrides", path) + list(overrides)
     base = ([f"experiment={preset}"] if preset else []) + fixed
-    try:
-        cfg = load_config(base)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    if cfg.logger.name != "mlflow":
-        raise ConfigError(f"{path}: sweep trials are tracked in MLflow; drop logger={cfg.logger.name}")
+    cfg = load_run_config(base, str(path), "sweep trials")
     for p in space:
         for value in p.endpoints():
             try:
