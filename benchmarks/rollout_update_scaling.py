@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import platform
 import statistics
 import time
@@ -109,7 +108,7 @@ def measure(cfg: TrainConfig, model, tok, initial: dict[str, torch.Tensor]) -> d
     start = time.perf_counter()
     old = module.old_logprobs(samples, t.micro_batch_size)
     old_s = time.perf_counter() - start
-    datamodule.set_rollouts(samples, old, 0, math.ceil(len(samples) / t.mini_batch_size))
+    optimizer_steps = datamodule.set_rollouts(samples, old, 0) * t.ppo_epochs
     timer = StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, max_epochs=1,
@@ -127,7 +126,7 @@ def measure(cfg: TrainConfig, model, tok, initial: dict[str, torch.Tensor]) -> d
             "prompt_tokens": sum(prompt_lens), "tokens_generated": stats["rollout/tokens_generated"],
             "rollout_s": stats["time/rollout_s"], "generate_s": stats["time/generate_s"],
             "tips_s": stats["time/tips_s"], "env_s": stats["time/env_s"], "memory_s": stats["time/memory_s"],
-            "old_logprobs_s": old_s, "update_s": update_s, "optimizer_steps": datamodule.buffer.num_mini_batches,
+            "old_logprobs_s": old_s, "update_s": update_s, "optimizer_steps": optimizer_steps,
             "micro_batches": len(timer.times), "update_tokens": update_tokens,
             "update_tokens_per_s": update_tokens / update_s,
             "s_per_sample": (stats["time/rollout_s"] + old_s + update_s) / len(samples)}

@@ -5,10 +5,10 @@ source (the callback with `produce_iteration`: `RolloutCallback`) to fill the bu
 yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches over them. Producing on iteration
 rather than in an epoch-start hook matters: Lightning creates (and prefetches from) the first epoch's iterator before
 `on_train_epoch_start`, both on a fresh start and on resume, so a hook-filled buffer would be read
-while still empty. Each rank streams its own buffer (its own share of the rollouts);
-`num_mini_batches` (and, under data parallelism, `micro_per_mini`) even the number of optimiser
-steps and backward passes across ranks so collective ops never wait on a rank that ran out of data,
-and `normalisers` make every rank normalise its loss by the global mini-batch's counts.
+while still empty. Each rank streams its own buffer (its own share of the rollouts) and the plan
+`set_rollouts` made for it: under data parallelism every rank's plan has the same number of optimiser steps
+and backward passes, so collective ops never wait on a rank that ran out of data, and normalises each
+mini-batch's loss by the global mini-batch's counts.
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ class RolloutBuffer:
     samples: list[StepSample] = field(default_factory=list)
     old_logprobs: list[torch.Tensor] = field(default_factory=list)  # per sample (T_i,), behaviour prompt
     iteration: int = 0
-    num_mini_batches: int = 0  # per ppo epoch, identical on every rank
-    # micro-batches per mini-batch on every rank (zero-weight padding where a rank has fewer), or None on one
-    # rank, where nothing has to line up
-    micro_per_mini: int | None = None
-    # (valid tokens, responses) of each global mini-batch of the iteration, in plan order (epoch by epoch), summed
-    # over the data-parallel ranks; None on one rank, where a mini-batch's own counts are the global ones
-    normalisers: list[tuple[int, int]] | None = None
+    # the iteration's mini-batches of micro-batches, all `ppo_epochs` passes in order (`plan_iteration`), made
+    # once by `RolloutDataModule.set_rollouts` and streamed as they are; empty when the update is skipped
+    plan: list[list[MicroBatch]] = field(default_factory=list)
 
 
 def collate(samples: list[StepSample], pad_id: int, prompt: str = "train") -> dict[str, torch.Tensor]:
@@ -208,29 +204,19 @@ class RolloutSource(Protocol):
 
 
 class _MicroBatchStream(IterableDataset):
-    """Yields the micro-batches of `ppo_epochs` shuffled passes of mini-batches (`plan_iteration`); each pass
-    over the stream produces a new buffer first, so one DataLoader serves every iteration.
+    """Yields the micro-batches of the buffer's plan; each pass over the stream produces a new buffer first, so
+    one DataLoader serves every iteration.
 
     One micro-batch per training step keeps exactly one forward and one backward per step, which is
     what DDP's gradient reducer expects."""
 
-    def __init__(self, buffer: RolloutBuffer, source: RolloutSource, trainer: L.Trainer, ppo_epochs: int,
-                 micro_batch_size: int, token_budget: int | None, seed: int, rank: int):
-        self.buffer, self.source, self.trainer, self.ppo_epochs = buffer, source, trainer, ppo_epochs
-        self.micro, self.token_budget, self.seed, self.rank = micro_batch_size, token_budget, seed, rank
+    def __init__(self, buffer: RolloutBuffer, source: RolloutSource, trainer: L.Trainer):
+        self.buffer, self.source, self.trainer = buffer, source, trainer
 
     def __iter__(self):
         self.source.produce_iteration(self.trainer)
-        buf = self.buffer
-        if not buf.samples or buf.num_mini_batches == 0:
-            return
-        plan = plan_iteration(buf.samples, buf.iteration, buf.num_mini_batches, self.ppo_epochs, self.micro,
-                              self.token_budget, buf.micro_per_mini, self.seed, self.rank)
-        if buf.normalisers is not None:
-            plan = with_normalisers(plan, buf.normalisers)
-        micros = [mb for mini in plan for mb in mini]
-        micros[-1].closes_iteration = True
-        yield from micros
+        for mini in self.buffer.plan:
+            yield from mini
 
 
 def step_counts(busiest: int, world_size: int, mini_batch_size: int, micro_batch_size: int) -> tuple[int, int | None]:
@@ -260,12 +246,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     def set_rollouts(self, samples: list[StepSample], old_logprobs: list[torch.Tensor], iteration: int, rank: int = 0,
                      world_size: int = 1, device: torch.device | None = None) -> int:
-        """This rank's rollouts and their old log-probs into the buffer, with what the ranks must agree on before
-        the update (three all-reduces under data parallelism, every rank calling): the mini-batches per epoch and
-        micro-batches per mini-batch, set by the busiest rank (under a token budget, by the largest cut any rank
-        needs), so collective ops never wait on a rank that ran out of data; and the loss normalisers, the valid
-        tokens and responses of each global mini-batch (every rank's k-th mini-batch together: the plans are a
-        function of each rank's samples and seed, so counting them here gives the counts the stream will yield).
+        """This rank's rollouts and their old log-probs into the buffer, with the plan the stream yields
+        (`plan_iteration`), made from what the ranks must agree on before the update (three all-reduces under data
+        parallelism, every rank calling): the mini-batches per epoch and micro-batches per mini-batch, set by the
+        busiest rank (under a token budget, by the largest cut any rank needs), so collective ops never wait on a
+        rank that ran out of data; and the loss normalisers, the valid tokens and responses of each global
+        mini-batch (every rank's k-th mini-batch together, counted on the plans themselves).
         Returns the mini-batches per epoch, 0 when no rank has a sample, and 0 on every rank when one rank has none
         (all its steps dropped as overlong, say): its zero-weight padding repeats one of its own samples, so it
         could not take part in the collective steps; the iteration's update is skipped, said in one line."""
@@ -279,28 +265,28 @@ class RolloutDataModule(L.LightningDataModule):
                       f"every rank", file=sys.stderr, flush=True)
             busiest = 0
         n_mini, micro_per_mini = step_counts(busiest, world_size, self.mini_batch_size, self.micro_batch_size)
-        normalisers = None
-        if world_size > 1 and n_mini > 0:  # n_mini is the same on every rank: all or none of them reduce
-            if self.token_budget is not None:  # the cut depends on each rank's sample sizes
+        plan = []
+        if n_mini > 0:  # n_mini is the same on every rank: all or none of them reduce
+            if world_size > 1 and self.token_budget is not None:  # the cut depends on each rank's sample sizes
                 need = torch.tensor([self.micro_batches_needed(samples, iteration, n_mini, rank)], device=device)
                 dist.all_reduce(need, op=dist.ReduceOp.MAX)
                 micro_per_mini = int(need.item())
             plan = plan_iteration(samples, iteration, n_mini, self.ppo_epochs, self.micro_batch_size,
                                   self.token_budget, micro_per_mini, self.seed, rank)
-            counts = torch.tensor(mini_batch_counts(plan), dtype=torch.long, device=device)  # (epochs x n_mini, 2)
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-            normalisers = [(tokens, seqs) for tokens, seqs in counts.tolist()]
+            if world_size > 1:  # on one rank a mini-batch's own counts are the global ones
+                counts = torch.tensor(mini_batch_counts(plan), dtype=torch.long, device=device)  # (epochs x n_mini, 2)
+                dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+                plan = with_normalisers(plan, [(tokens, seqs) for tokens, seqs in counts.tolist()])
+            plan[-1][-1].closes_iteration = True
         buf = self.buffer
-        buf.samples, buf.old_logprobs, buf.iteration = samples, old_logprobs, iteration
-        buf.num_mini_batches, buf.micro_per_mini, buf.normalisers = n_mini, micro_per_mini, normalisers
+        buf.samples, buf.old_logprobs, buf.iteration, buf.plan = samples, old_logprobs, iteration, plan
         return n_mini
 
     def train_dataloader(self) -> DataLoader:
         source = next((cb for cb in self.trainer.callbacks if isinstance(cb, RolloutSource)), None)
         if source is None:
             raise RuntimeError("RolloutDataModule needs a RolloutCallback in the Trainer to produce rollouts")
-        stream = _MicroBatchStream(self.buffer, source, self.trainer, self.ppo_epochs, self.micro_batch_size,
-                                   self.token_budget, self.seed, self.trainer.global_rank)
+        stream = _MicroBatchStream(self.buffer, source, self.trainer)
         # batch_size=None: the stream already yields whole micro-batches; no worker processes, the buffer
         # lives in this process and changes every iteration
         return DataLoader(stream, batch_size=None, num_workers=0)

@@ -170,4 +170,9 @@ def test_one_rank_keeps_its_own_counts():
                           group_id=0, traj_id=i, step=0) for i in range(5)]
     dm = RolloutDataModule(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1, seed=0)
     assert dm.set_rollouts(samples, [], 0) == 3
-    assert dm.buffer.normalisers is None and dm.buffer.micro_per_mini is None
+    plan = dm.buffer.plan
+    assert [len(mini) for mini in plan] == [1, 2, 2]  # array_split of 5 into 3; no zero-weight padding on one rank
+    for mini in plan:
+        own = [i for mb in mini for i in mb.indices]
+        assert all((mb.num_tokens, mb.num_seqs, mb.weight) == (sum(1 + i for i in own), len(own), 1.0) for mb in mini)
+    assert [mb.closes_iteration for mini in plan for mb in mini] == [False] * 4 + [True]
