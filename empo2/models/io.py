@@ -78,8 +78,7 @@ def _convert_smollm2(gguf: Path, target: Path) -> None:
     # the loaded model's config rather than AutoConfig on the GGUF: every read of the GGUF parses its 49k-token
     # vocabulary again
     config = copy.deepcopy(gguf_model.config)
-    config.quantization_config = None  # the GGUF marker is what makes save_pretrained refuse
-    if hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):  # the GGUF marker is what makes save_pretrained refuse
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
