@@ -159,6 +159,20 @@ def test_a_bfloat16_engine_has_the_larger_gap_and_a_request_over_its_cap_is_refu
     assert "\n" not in str(e.value)
 
 
+def test_on_a_cpu_the_engine_runs_vllms_compiled_sampler_ops_eagerly(engine, prompts):
+    """vLLM's sampler compiles the sampled token's rank (and top-k/top-p) with Inductor on first use: on a CPU a C++
+    build and a pool of compile workers in every process. The CPU engine runs them eagerly: with Dynamo's caches
+    emptied, sampling with log-probs traces no frame (outside the engine's stance the same call traces and builds
+    the rank op)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = sum(counters["frames"].values())
+    gens = sample(engine, prompts[:2])
+    assert all(g.logprobs for g in gens)
+    assert sum(counters["frames"].values()) == before, dict(counters["frames"])
+
+
 def test_weight_sync_loads_new_weights_and_lora_is_merged(prior, engine, prompts):
     """After changed weights are synced, the engine samples from them (and no longer from the old ones); a peft
     policy's adapters reach the engine folded into its base weights."""

@@ -43,6 +43,7 @@ freed into PyTorch's cache.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import secrets
@@ -173,6 +174,10 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # Ranks of one tensor-parallel group must sample alike; different groups must not.
             seed += dist.get_rank() // tensor_parallel_size
+        # vLLM compiles a few small sampler ops with Inductor on their first call (the sampled token's rank among
+        # the log-probs, top-k/top-p): on a CPU that is a C++ build, about 10 s the first time on a machine and 2 s
+        # and a pool of compile workers in every later process, for ops that take microseconds eager.
+        self._eager_ops = current_platform.is_cpu()
         if current_platform.is_cpu():
             # Eager: compiling the CPU graph costs minutes at start-up and gains little for small policies.
             kwargs.setdefault("enforce_eager", True)
@@ -236,8 +241,9 @@ class VLLMEngine:
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
             stop_token_ids=stop_ids, detokenize=False, logprobs=logprobs, seed=request_seed)
             for _, request_seed in requests]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], sampling_params=sampling,
-                                    use_tqdm=False)
+        with torch.compiler.set_stance("force_eager") if self._eager_ops else contextlib.nullcontext():
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], sampling_params=sampling,
+                                        use_tqdm=False)
         gens = []
         for out in outputs[mine]:
             sample = out.outputs[0]
