@@ -217,15 +217,19 @@ class MlflowServer:
                 self.proc.wait()
 
 
-def start_mlflow(backend_uri: str, folder: Path, port: int | None = None, timeout: float = 180.0) -> MlflowServer:
-    """Start `mlflow server` and wait until /health answers."""
+def start_mlflow(backend_uri: str, folder: Path, port: int | None = None, timeout: float = 180.0,
+                 serve_artifacts: bool = True) -> MlflowServer:
+    """Start `mlflow server` and wait until /health answers. `serve_artifacts`: the server stores and serves the
+    artifacts under `folder` (the team-scale layout); without, the runs' own artifact locations stand."""
     folder.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     artifacts = folder / "artifacts"
     log = folder / f"mlflow-server-{port}.log"
     mlflow = Path(sys.executable).with_name("mlflow")
-    cmd = [str(mlflow), "server", "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts),
-           "--serve-artifacts", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    cmd = [str(mlflow), "server", "--backend-store-uri", backend_uri, "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    if serve_artifacts:
+        cmd += ["--artifacts-destination", str(artifacts), "--serve-artifacts"]
     # no job runner: it starts seven huey consumer processes (GenAI scoring, trace archival) a tracking
     # server for training runs does not use
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")

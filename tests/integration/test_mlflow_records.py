@@ -2,18 +2,12 @@
 training run, its eval and adapt as runs of their own (config, tags, scores, files), compare's grouping of
 a sweep's trials, and the UI itself rendering a run. Real MLflow (sqlite), real Lightning, the tiny model."""
 
-import contextlib
 import csv
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -24,14 +18,9 @@ from empo2.workflows.compare import compare
 from empo2.workflows.evaluate import adapt, resolve_checkpoint, run_config
 from empo2.workflows.tracking import EXPERIMENT_KIND, experiment_id, ui_link
 from tests.integration.test_workflows import FAST, empo2
+from tests.services import free_port, start_mlflow
 
 PRESET = "empo2_official_minisci"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +122,7 @@ def test_adapt_is_a_run_with_the_score_of_every_trial_with_and_without_tips(trai
 
 def test_eval_with_the_tracking_store_away_says_so_in_one_line_and_keeps_its_files(trained):
     out = trained["root"] / "eval-away"
-    away = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    away = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc = empo2("eval", f"ckpt={trained['run_dir']}", "memory=off", "variations=1", f"out={out}",
                  f"logger.tracking_uri={away}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -267,24 +256,9 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.needs("chromium")
 def test_the_mlflow_ui_renders_the_run_with_its_params_and_tags(trained, tmp_path):
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                               trained["summary"]["mlflow_tracking_uri"], "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = start_mlflow(trained["summary"]["mlflow_tracking_uri"], tmp_path / "server", serve_artifacts=False)
+    base = server.uri
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, f"mlflow server exited with {server.returncode}"
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not answer within 90 s"
-            time.sleep(0.5)
         run = trained["run"]
         pages = {"experiment": ui_link(base, run.info.experiment_id),
                  "run": ui_link(base, run.info.experiment_id, run.info.run_id)}
@@ -298,11 +272,4 @@ def test_the_mlflow_ui_renders_the_run_with_its_params_and_tags(trained, tmp_pat
             _chromium(f"--screenshot={png}", url)
             assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20000, name
     finally:
-        # the server and the workers it started share its own process group
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=20)
+        server.stop()
