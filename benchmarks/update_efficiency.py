@@ -142,8 +142,7 @@ def main() -> None:
     policy_module, policy_raw = copy.deepcopy(base), copy.deepcopy(base)
     del base
 
-    module = EMPO2Module(policy_module, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples, iteration=0,
-                                                                                  num_mini_batches=1))
+    module = EMPO2Module(policy_module, tok, cfg.algo, cfg.trainer, RolloutBuffer(samples, iteration=0))
     # old log-probs once, from the initial weights, shared by both sides
     module.buffer.old_logprobs = old_rows = module.old_logprobs(samples, args.batch)
     batch = collate(samples, tok.pad_token_id, prompt="train")
