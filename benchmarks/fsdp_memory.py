@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -90,6 +91,10 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/fsdp_memory.json")
     ap.add_argument("--label", default="", help="a name for this measurement in the report (e.g. before, after)")
     args, overrides = ap.parse_known_args()
+    if "RANK" not in os.environ:
+        # Lightning's own launcher would start rank 1, and the run waits for it to exit, while rank 1 waits in the
+        # gather of the peaks below for rank 0: torchrun starts both ranks and waits for neither
+        sys.exit("fsdp_memory.py runs under torchrun: torchrun --nproc-per-node 2 benchmarks/fsdp_memory.py [...]")
     quiet_libraries()
     _windowed(RolloutCallback, "produce_iteration", "rollouts")
     _windowed(EMPO2Module, "training_step", "update")
