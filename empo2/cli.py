@@ -7,15 +7,23 @@ User mistakes (a bad config value, a missing model) print one line and exit with
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 import time
 from pathlib import Path
 
 from empo2.config import ConfigError
-from empo2.utils import quiet_libraries
+from empo2.utils import pause_gc_for_startup, quiet_libraries, thaw_startup_heap
 
 STARTED = time.perf_counter()  # before torch, Lightning and the config's composition: `empo2 train`'s start-up
+
+# The interpreter's exit tears down every module: with the million objects torch, transformers and Lightning make,
+# automatic collections during that teardown cost 0.4 of the 1.7 CPU-s a training process spends exiting here. Its
+# own final collection still runs (libraries check at their exit that their objects were freed). Registered first,
+# so it runs after every other exit handler.
+atexit.register(gc.disable)
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # its database-migration INFO lines are not ours
@@ -40,6 +48,7 @@ SUBCOMMANDS = {
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    pause_gc_for_startup()  # until the run's first rollout; main() thaws what it froze (`empo2.utils`)
     from empo2.config import load_config
     from empo2.workflows.train import train
 
@@ -403,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:  # a diverged run: one line, the checkpoint it saved is named in it
         print(f"empo2 {args.command}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        thaw_startup_heap()
 
 
 if __name__ == "__main__":

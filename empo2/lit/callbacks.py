@@ -33,6 +33,7 @@ from empo2.rollout.engines import full_named_tensors
 from empo2.rollout.spec import CollectionSpec, scoring_spec, training_spec
 from empo2.rollout.types import RolloutBatch
 from empo2.rollout.worker import RolloutWorker
+from empo2.utils import settle_startup_heap
 from empo2.utils.faults import maybe_fail
 
 # the worker's part of this callback's checkpointed state, which checkpoints before the worker held it stored at the
@@ -93,6 +94,7 @@ class RolloutCallback(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         # After the strategy set-up, before the first rollout is fetched. A resumed run (ckpt_path) logged its
         # baseline already; FSDP restores only after this hook, so the iteration counter cannot tell.
+        settle_startup_heap()  # what the start-up built frozen, the collector on again (`empo2.utils`)
         self._startup = self.times.since("startup", self.times.start)  # processes, model, engine, envs are up
         if self.cfg.trainer.val_before_train and trainer.ckpt_path is None:
             with generation_weights(trainer, self.worker.engine):

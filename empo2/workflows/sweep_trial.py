@@ -15,13 +15,18 @@ import math
 import os
 import sys
 
-import lightning as L
+from empo2.utils import pause_gc_for_startup, thaw_startup_heap
 
-from empo2.config import ConfigError, current_metric, load_config
-from empo2.workflows.launch import log_run_files
-from empo2.workflows.sweep import STORAGE_ENV
-from empo2.workflows.sweep_spec import make_pruner
-from empo2.workflows.sweep_storage import Heartbeat, open_storage
+if __name__ == "__main__":  # a trial's own process: the collector pauses for its start-up (`empo2.utils`)
+    pause_gc_for_startup()
+
+import lightning as L  # noqa: E402
+
+from empo2.config import ConfigError, current_metric, load_config  # noqa: E402
+from empo2.workflows.launch import log_run_files  # noqa: E402
+from empo2.workflows.sweep import STORAGE_ENV  # noqa: E402
+from empo2.workflows.sweep_spec import make_pruner  # noqa: E402
+from empo2.workflows.sweep_storage import Heartbeat, open_storage  # noqa: E402
 
 
 class PruneOnValidation(L.Callback):
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"empo2 sweep trial: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        thaw_startup_heap()
 
 
 if __name__ == "__main__":

@@ -283,6 +283,34 @@ def test_two_trainings_in_one_process_without_run_names_get_their_own_folders(tm
     assert "EMPO2_RUN_NAME" not in __import__("os").environ
 
 
+def test_empo2_train_pauses_the_collector_for_its_start_up_and_thaws_what_it_froze(tmp_path, monkeypatch):
+    """`empo2 train`: Python's cyclic collector is off from the command's start to the first rollout, then on with
+    the start-up's objects frozen, and on with nothing frozen once the command returns, also when its start-up
+    fails."""
+    import gc
+
+    import empo2.lit.callbacks
+    from empo2 import utils
+    from empo2.cli import main
+
+    seen = []
+
+    def settle():
+        seen.append(gc.isenabled())
+        utils.settle_startup_heap()
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+
+    monkeypatch.setattr(empo2.lit.callbacks, "settle_startup_heap", settle)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert main(["train", *FAST, f"run_root={tmp_path}", "trainer.iterations=1"]) == 0
+    assert seen[0] is False
+    assert seen[1][0] is True and seen[1][1] > 100_000  # torch, Lightning, the model ...
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    monkeypatch.setenv("EMPO2_CACHE", str(tmp_path / "empty"))  # no prior built: the model cannot load
+    assert main(["train", *FAST, f"run_root={tmp_path}", "model.name=minisci_bc"]) == 2
+    assert len(seen) == 2 and gc.isenabled() and gc.get_freeze_count() == 0
+
+
 def test_processes_started_by_torchrun_or_srun_need_a_run_name(monkeypatch):
     """Without run_name each process torchrun or srun starts would name its own run folder after its own clock."""
     from empo2.config import ConfigError
