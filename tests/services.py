@@ -36,13 +36,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(target, world: int = 2, timeout: float = 180) -> list:
-    """`target(rank, port, results)` in `world` spawned processes that meet on a free loopback port; each puts one
-    result on the queue. Returns the results sorted; fails when a process does not exit cleanly in time."""
+# What the rank functions import: forked from a server that imported these once (multiprocessing's forkserver, one
+# per test process, started at its first use), a rank starts in well under a second, where a spawned one imports
+# them again (about 8 CPU-s each) and tears them down at its exit
+RANK_PRELOAD = ["torch", "torch.distributed", "lightning", "transformers", "empo2.lit.module", "empo2.lit.strategy",
+                "empo2.models"]
+
+
+def spawn_ranks(target, world: int = 2, timeout: float = 180, start: str = "forkserver") -> list:
+    """`target(rank, port, results)` in `world` new processes that meet on a free loopback port; each puts one
+    result on the queue. Returns the results sorted; fails when a process does not exit cleanly in time.
+    `start`: "forkserver", or "spawn" (a fresh interpreter each) for a target whose output the test reads (a spawned
+    process writes to the caller's stdout and stderr at that moment, a forked one to the server's) or that starts
+    processes of its own."""
     import torch.multiprocessing as mp
 
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(RANK_PRELOAD)
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, port, results)) for rank in range(world)]
     for p in procs:

@@ -246,6 +246,7 @@ def test_a_rank_without_samples_skips_the_update_on_every_rank_instead_of_hangin
     own samples: every rank agrees to skip the iteration's update (0 mini-batches) and says so once, where the rank
     once raised and left its peers waiting in the next collective."""
     expected = {"an_empty_rank": 0, "both_hold_samples": 2}
-    assert spawn_ranks(_set_rollouts_rank, timeout=120) == [(0, expected), (1, expected)]
+    # spawned: capfd reads what the ranks write
+    assert spawn_ranks(_set_rollouts_rank, timeout=120, start="spawn") == [(0, expected), (1, expected)]
     said = capfd.readouterr().err.count("a rank has no sample to train on; the update is skipped on every rank")
     assert said == 1

