@@ -65,6 +65,13 @@ def spawn_ranks(target, world: int = 2, timeout: float = 180, start: str = "fork
     return sorted(results.get(timeout=5) for _ in procs)
 
 
+def as_torchrun_rank(rank: int, port: int, world: int = 2) -> None:
+    """In a `spawn_ranks` process: the environment torchrun gives its rank `rank` of `world` on this machine, so
+    Lightning joins the processes as torchrun's instead of launching its own."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      GROUP_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="ranks")
+
+
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may run as a user who cannot read the stdlib
 
 

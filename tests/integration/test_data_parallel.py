@@ -12,7 +12,6 @@ would hide a wrong weighting (Adam's first step is nearly the gradient's sign).
 
 import copy
 import dataclasses
-import os
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,7 @@ from empo2.lit.module import EMPO2Module
 from empo2.lit.strategy import build_strategy
 from empo2.models import load_policy
 from empo2.rollout.types import StepSample
-from tests.services import spawn_ranks
+from tests.services import as_torchrun_rank, spawn_ranks
 
 # rank 0: five long responses; rank 1: two short ones, 11x fewer tokens, and in mini-batches of 2 nothing in one of
 # rank 0's three mini-batches (a zero-weight padding micro-batch instead)
@@ -109,9 +108,7 @@ def _engine(old: list[torch.Tensor], i: int) -> list[float]:
 
 def _rank(rank: int, port: int, results, strategy: str, old: list[torch.Tensor], delta: float, out_dir: Path) -> None:
     """One of two ranks: a one-iteration fit per loss aggregation on this rank's share of the samples."""
-    # as torchrun starts a process: Lightning joins the two processes instead of launching its own
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      GROUP_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="dp")
+    as_torchrun_rank(rank, port)
     torch.set_num_threads(1)
     first = 0 if rank == 0 else len(RESPONSE_LENGTHS[0])
     mine = range(first, first + len(RESPONSE_LENGTHS[rank]))

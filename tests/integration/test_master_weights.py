@@ -7,10 +7,8 @@ tolerance; the bfloat16 configuration at lr 1e-6 moves nearly every weight in on
 weights, 2.3% moved); and under FSDP2 each shard is upcast after sharding."""
 
 import copy
+import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -24,7 +22,7 @@ from empo2.lit.module import EMPO2Module
 from empo2.lit.strategy import float32_master_weights
 from empo2.models import load_policy
 from empo2.workflows.train import train
-from tests.services import free_port
+from tests.services import as_torchrun_rank, free_port, spawn_ranks
 
 from .test_update_fidelity import _samples
 
@@ -283,13 +281,24 @@ def test_bfloat16_compute_on_float32_masters_gives_the_float32_gradient_to_bfloa
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "torch_threads=1"]
 
 
+def _probed_rank(rank: int, port: int, results, out: Path, overrides: list[str]) -> None:
+    """One of two ranks of the `trainer=fsdp` run, started as torchrun starts it: trains with `overrides` and writes
+    what its `DtypeProbe` saw to OUT/dtypes<rank>.json."""
+    from empo2.utils import quiet_libraries
+
+    as_torchrun_rank(rank, port)
+    quiet_libraries()
+    probe = DtypeProbe()
+    train(load_config(overrides), callbacks=[probe])
+    restored = {k: v if isinstance(v, str) else v.tolist() for k, v in probe.restored.items()}
+    (out / f"dtypes{rank}.json").write_text(json.dumps({**probe.seen, "restored": restored}))
+    results.put(rank)
+
+
 def _fsdp_ranks(out: Path, *overrides: str) -> list[dict]:
-    """`master_weights_rank.py` under torchrun on 2 gloo processes: each rank's `DtypeProbe`."""
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(Path(__file__).with_name("master_weights_rank.py")), str(out), *REPRO, *FSDP, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    """A 2-process `trainer=fsdp` run on gloo: each rank's `DtypeProbe`."""
+    args = [*REPRO, *FSDP, *overrides]
+    assert spawn_ranks(functools.partial(_probed_rank, out=out, overrides=args), timeout=600) == [0, 1]
     return [json.loads((out / f"dtypes{rank}.json").read_text()) for rank in (0, 1)]
 
 
