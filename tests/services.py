@@ -16,6 +16,7 @@ world-readable folder under the temp dir.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import secrets
 import shutil
@@ -40,28 +41,43 @@ def free_port() -> int:
 # per test process, started at its first use), a rank starts in well under a second, where a spawned one imports
 # them again (about 8 CPU-s each) and tears them down at its exit
 RANK_PRELOAD = ["torch", "torch.distributed", "lightning", "transformers", "empo2.lit.module", "empo2.lit.strategy",
-                "empo2.models"]
+                "empo2.models", "empo2.workflows.train"]
+
+
+def _logged(target, log_dir: str, rank: int, port: int, results) -> None:
+    """A forked rank: its stdout and stderr (the server's otherwise) go to LOG_DIR/rank<r>.log."""
+    with open(Path(log_dir) / f"rank{rank}.log", "ab", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    target(rank, port, results)
 
 
 def spawn_ranks(target, world: int = 2, timeout: float = 180, start: str = "forkserver") -> list:
     """`target(rank, port, results)` in `world` new processes that meet on a free loopback port; each puts one
-    result on the queue. Returns the results sorted; fails when a process does not exit cleanly in time.
-    `start`: "forkserver", or "spawn" (a fresh interpreter each) for a target whose output the test reads (a spawned
-    process writes to the caller's stdout and stderr at that moment, a forked one to the server's) or that starts
-    processes of its own."""
+    result on the queue. Returns the results sorted; fails when a process does not exit cleanly in time, with the
+    end of each rank's output. `start`: "forkserver", or "spawn" (a fresh interpreter each, which writes to the
+    caller's stdout and stderr) for a target whose output the test reads or that starts processes of its own."""
     import torch.multiprocessing as mp
 
     port = free_port()
     ctx = mp.get_context(start)
+    log_dir = None
     if start == "forkserver":
         ctx.set_forkserver_preload(RANK_PRELOAD)
+        log_dir = tempfile.mkdtemp(prefix="ranks-")
+        target = functools.partial(_logged, target, log_dir)
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(rank, port, results)) for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=timeout)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    if log_dir is not None:
+        logs = {rank: (Path(log_dir) / f"rank{rank}.log").read_text(errors="replace")[-3000:] for rank in range(world)}
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        logs = {}
+    assert all(p.exitcode == 0 for p in procs), ([p.exitcode for p in procs], logs)
     return sorted(results.get(timeout=5) for _ in procs)
 
 
