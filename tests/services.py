@@ -88,6 +88,29 @@ def as_torchrun_rank(rank: int, port: int, world: int = 2) -> None:
                       GROUP_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="ranks")
 
 
+def _train_rank(rank: int, port: int, results, args: list[str], world: int) -> None:
+    from empo2.config import load_config
+    from empo2.workflows.train import train
+
+    for var in ("EMPO2_FAULT", "EMPO2_RUN_NAME"):  # the forkserver's environment is the test process's at its start
+        os.environ.pop(var, None)
+    if world > 1:
+        as_torchrun_rank(rank, port, world)
+    train(load_config(args))
+    results.put(rank)
+
+
+def train_in_ranks(args: list[str]) -> None:
+    """`train(load_config(args))` in processes of its own, one per `trainer.devices`, started as torchrun starts its
+    ranks (`spawn_ranks`): a run whose launcher is not what the test checks (Lightning's own launcher is what
+    tests/integration/test_vllm.py's launcher tests start; a killed run must be the `empo2 train` command)."""
+    from empo2.config import load_config
+
+    world = load_config(args).trainer.devices
+    assert spawn_ranks(functools.partial(_train_rank, args=args, world=world), world=world,
+                       timeout=600) == list(range(world))
+
+
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may run as a user who cannot read the stdlib
 
 

@@ -25,6 +25,7 @@ from empo2.lit.module import NONFINITE_CHECKPOINT, NonFiniteLossError
 from empo2.memory import TipMemory
 from empo2.workflows.train import find_resume_checkpoint, train
 from tests.integration.test_training import FAST
+from tests.services import train_in_ranks
 
 # One torch thread in every process: the straight and the interrupted runs must do identical float math.
 FOUR = FAST + ["trainer.iterations=4", "torch_threads=1"]
@@ -77,8 +78,7 @@ def test_sigkill_in_rollout_update_and_checkpoint_write_then_resume_equals_a_str
     """One run is killed three times (iteration 2's rollout, iteration 2's update, iteration 3's checkpoint
     write) and resumed with resume=auto each time; it must end exactly where a run that was never
     interrupted ends."""
-    straight = _cli_train(FOUR + [f"run_root={tmp_path}", "run_name=straight"])
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    train_in_ranks(FOUR + [f"run_root={tmp_path}", "run_name=straight"])
     run = tmp_path / "killed"
     ckpts = run / "checkpoints"
     args = FOUR + [f"run_root={tmp_path}", "run_name=killed", "resume=auto"]

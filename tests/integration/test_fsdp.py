@@ -10,7 +10,6 @@ a wrong weighting of ranks shows far above it, and tests/integration/test_data_p
 itself on gradients, before any optimiser step.
 """
 
-import functools
 import json
 import os
 import subprocess
@@ -20,10 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from empo2.config import load_config
-from empo2.workflows.train import train
 from tests.integration.test_training import FAST
-from tests.services import as_torchrun_rank, spawn_ranks
+from tests.services import spawn_ranks, train_in_ranks
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true"]
 # one torch thread per process: two processes share the two cores, and reruns must do identical float math
@@ -39,22 +36,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _train_rank(rank: int, port: int, results, args: list[str], world: int) -> None:
-    for var in ("EMPO2_FAULT", "EMPO2_RUN_NAME"):  # the forkserver's environment is the test process's at its start
-        os.environ.pop(var, None)
-    if world > 1:
-        as_torchrun_rank(rank, port, world)
-    train(load_config(args))
-    results.put(rank)
-
-
 def _train(root: Path, name: str, *overrides: str) -> Path:
-    """A run in its own processes, its ranks started as torchrun starts them (Lightning's own launcher, which
-    `empo2 train trainer.devices=2` uses, is what tests/integration/test_vllm.py's launcher tests start)."""
-    args = [*RUN, *overrides, f"run_root={root}", f"run_name={name}"]
-    world = load_config(args).trainer.devices
-    assert spawn_ranks(functools.partial(_train_rank, args=args, world=world), world=world,
-                       timeout=600) == list(range(world))
+    train_in_ranks([*RUN, *overrides, f"run_root={root}", f"run_name={name}"])
     return root / name
 
 
