@@ -56,7 +56,9 @@ def spawn_ranks(target, world: int = 2, timeout: float = 180, start: str = "fork
     """`target(rank, port, results)` in `world` new processes that meet on a free loopback port; each puts one
     result on the queue. Returns the results sorted; fails when a process does not exit cleanly in time, with the
     end of each rank's output. `start`: "forkserver", or "spawn" (a fresh interpreter each, which writes to the
-    caller's stdout and stderr) for a target whose output the test reads or that starts processes of its own."""
+    caller's stdout and stderr) for a target whose output the test reads or that starts processes of its own. A
+    forked rank has the environment the test process had when the server started, not a later `monkeypatch.setenv`:
+    a target sets what it needs itself."""
     import torch.multiprocessing as mp
 
     port = free_port()
