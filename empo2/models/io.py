@@ -18,6 +18,7 @@ local or built locally.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import json
 import os
@@ -111,6 +112,9 @@ def ensure_smollm2() -> Path:
         if target.exists():
             shutil.rmtree(target)  # a cache without its marker is not ours to trust
         _convert_smollm2(smollm2_gguf_path(), target)
+        # the conversion leaves about 220 MB in reference cycles (transformers' GGUF loading), which a run's start-up
+        # would otherwise freeze with everything else it built (`empo2.utils.pause_gc_for_startup`)
+        gc.collect()
     return target
 
 
